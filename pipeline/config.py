@@ -1,0 +1,108 @@
+"""winnow's typed configuration: one dataclass per concern, composed per stage.
+
+Every default lives here, once. Recipes (``recipes/``) are functions that start
+from these dataclasses and change what differs; YAML files and dotted CLI
+overrides (``algorithm.d3s.k_init=0.05``) load into them through
+:mod:`pipeline.configlib`, which rejects unknown keys, wrong types and values
+out of range with the dotted field path in the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.configlib import ConfigError, option, section
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{field}: {message}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    train: list[str] = option(
+        default_factory=lambda: ["arith?difficulty=2&size=4000"],
+        help="training prompt sources: benchmark names, synthetic specs or .jsonl/.parquet paths",
+    )
+    split: str = option("train", help="split of each source to train on")
+    template: Literal["raw", "plain", "chat"] = option(
+        "plain", help="prompt template: raw problem, plain instruction, or the tokenizer's chat template"
+    )
+    on_bad_row: Literal["fail", "skip"] = option(
+        "fail", help="malformed rows: fail naming file and line, or skip and report counts"
+    )
+    max_field_chars: int = option(20_000, ge=1, help="rows with a longer problem or answer are bad rows")
+    limit: int | None = option(None, ge=1, help="use at most this many prompts per source")
+    seed: int = option(0, help="seed of the synthetic generators and of the data order")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    num_workers: int = option(2, ge=1, help="grading worker processes")
+    deadline_s: float = option(5.0, gt=0, help="wall-clock limit per graded item; a stuck worker is killed")
+    memory_limit_mb: int = option(1024, ge=64, help="address-space cap of each grading worker")
+    format_reward: float = option(
+        0.0, ge=-1.0, le=1.0, help="added to the score when the response has a boxed answer"
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    benchmarks: list[str] = option(
+        default_factory=lambda: ["arith?difficulty=2&size=500"],
+        help="benchmarks to evaluate: math500, gsm8k, math, minerva, or synthetic specs",
+    )
+    split: str = option("test", help="split of each benchmark")
+    num_samples: int = option(32, ge=1, help="samples per problem (n of the unbiased pass@k)")
+    ks: list[int] = option(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32], help="k values of pass@k; each ≤ num_samples"
+    )
+    temperature: float = option(0.6, ge=0.0, help="sampling temperature")
+    top_p: float = option(0.95, gt=0.0, le=1.0, help="nucleus sampling threshold")
+    max_new_tokens: int = option(512, ge=1, help="generation length limit")
+    limit: int | None = option(None, ge=1, help="evaluate at most this many problems per benchmark")
+    bootstrap_samples: int = option(1000, ge=0, help="bootstrap resamples for confidence intervals")
+    seed: int = option(1234, help="sampling seed")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.ks), "ks", "needs at least one k")
+        bad = [k for k in self.ks if not 1 <= k <= self.num_samples]
+        _require(not bad, "ks", f"{bad} outside [1, num_samples={self.num_samples}]")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    tensor_parallel: int = option(1, ge=1, help="tensor-parallel size")
+    pipeline_parallel: int = option(1, ge=1, help="pipeline-parallel size")
+    context_parallel: int = option(1, ge=1, le=1, help="context-parallel size (reserved; must be 1)")
+    backend: Literal["auto", "nccl", "gloo"] = option(
+        "auto", help="torch.distributed backend; auto picks nccl with CUDA and gloo without"
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    directory: str = option("runs/default/checkpoints", help="where checkpoints are written")
+    every_steps: int = option(50, ge=1, help="save a checkpoint every this many steps")
+    keep_last: int = option(3, ge=1, help="older checkpoints beyond this count are deleted")
+    resume: Literal["auto", "never", "must"] = option(
+        "auto", help="resume from `latest` if present (auto), never, or fail when absent (must)"
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    output_dir: str = option("runs/default", help="run directory: metrics, plots, resolved config")
+    tensorboard: bool = option(True, help="write TensorBoard scalars")
+    progress: bool = option(True, help="show progress bars and a live status line")
+    log_every: int = option(1, ge=1, help="write metrics every this many steps")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataInspectConfig:
+    """What `winnow data inspect` reads; a stage config of its own."""
+
+    data: DataConfig = section(DataConfig, help="data loading options")
+    num_examples: int = option(3, ge=0, help="examples to print")

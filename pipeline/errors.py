@@ -1,0 +1,10 @@
+"""The one base class of errors caused by the user's input rather than by a bug.
+
+The CLI prints these as a single ``error:`` line and exits 2; every other
+exception keeps its traceback. Each subclass's message names the field, file,
+line or tensor at fault.
+"""
+
+
+class UserError(ValueError):
+    """Bad config, bad data, a missing or malformed file: the user can fix it."""
