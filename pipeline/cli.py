@@ -54,7 +54,7 @@ def _data_inspect(args: argparse.Namespace) -> int:
 
     cfg = configlib.load(DataInspectConfig, yaml_path=args.config, overrides=args.overrides)
     report = inspect_dataset(
-        args.source, split=args.split, num_examples=cfg.num_examples,
+        args.source, split=args.split or cfg.data.split, num_examples=cfg.num_examples,
         on_bad_row=cfg.data.on_bad_row, max_field_chars=cfg.data.max_field_chars,
     )
     print(format_inspection(report))

@@ -26,7 +26,9 @@ class DataConfig:
         default_factory=lambda: ["arith?difficulty=2&size=4000"],
         help="training prompt sources: benchmark names, synthetic specs or .jsonl/.parquet paths",
     )
-    split: str = option("train", help="split of each source to train on")
+    split: str | None = option(
+        None, help="split for every source that names none (null: each source's default, train for synthetic)"
+    )
     template: Literal["raw", "plain", "chat"] = option(
         "plain", help="prompt template: raw problem, plain instruction, or the tokenizer's chat template"
     )

@@ -1,0 +1,196 @@
+"""CW-GRPO (cw-grpo-covariance-gaussian-reweighting.txt, Sec. 2.3)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.algorithms.cw_grpo import cw_grpo_token_weights
+from pipeline.algorithms.registry import TOKEN_WEIGHTS
+
+
+def reference_weights(advantages, logprobs, mask, group_ids, scope):
+    """Sec. 2.3 equations as loops over tokens, float64, per scope."""
+    num_rows, num_cols = len(logprobs), len(logprobs[0])
+    scopes = group_ids if scope == "group" else [0] * num_rows
+    weights = [[0.0] * num_cols for _ in range(num_rows)]
+    for unit in set(scopes):
+        tokens = [
+            (i, t)
+            for i in range(num_rows)
+            if scopes[i] == unit
+            for t in range(num_cols)
+            if mask[i][t]
+        ]
+        if not tokens:
+            continue
+        n = len(tokens)
+        mean_logp = sum(logprobs[i][t] for i, t in tokens) / n
+        mean_adv = sum(advantages[i] for i, t in tokens) / n
+        c = {(i, t): (logprobs[i][t] - mean_logp) * (advantages[i] - mean_adv) for i, t in tokens}
+        mean_c = sum(c.values()) / n
+        sigma = math.sqrt(sum((v - mean_c) ** 2 for v in c.values()) / n)
+        w = {k: 1.0 if sigma == 0 else math.exp(-(v**2) / (2 * sigma**2)) for k, v in c.items()}
+        total = sum(w.values())
+        for (i, t), value in w.items():
+            weights[i][t] = value * n / total
+    return weights
+
+
+def call(advantages, logprobs, mask, group_ids, scope="group"):
+    return cw_grpo_token_weights(
+        advantages=advantages, entropy=None, logprobs=logprobs, response_mask=mask,
+        group_ids=group_ids, scope=scope,
+    )
+
+
+def test_hand_computed():
+    # One group: A = [1, -1]; log π row0 = [-1, -3], row1 = [-2, -2].
+    # mean log π = -2, mean Â over the 4 tokens = 0 →
+    # c = [(1)(1), (-1)(1), (0)(-1), (0)(-1)] = [1, -1, 0, 0]; mean c = 0, σ² = 2/4 = 0.5.
+    # w = exp(-c²/(2·0.5)) = [e⁻¹, e⁻¹, 1, 1];
+    # w̃ = 4w/Σw = [2/(e+1), 2/(e+1), 2e/(e+1), 2e/(e+1)]
+    #   = [0.5379, 0.5379, 1.4621, 1.4621].
+    weights, metrics = call(
+        torch.tensor([1.0, -1.0]),
+        torch.tensor([[-1.0, -3.0], [-2.0, -2.0]]),
+        torch.ones(2, 2, dtype=torch.bool),
+        torch.tensor([0, 0]),
+    )
+    e = math.e
+    low, high = 2 / (e + 1), 2 * e / (e + 1)
+    assert weights.flatten().tolist() == pytest.approx([low, low, high, high])
+    assert float(metrics["cw_grpo/sigma_mean"]) == pytest.approx(math.sqrt(0.5))
+    assert float(metrics["cw_grpo/cov_mean"]) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("scope", ["group", "batch"])
+@pytest.mark.parametrize("seed", range(4))
+def test_matches_loop_reference(scope, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_rows, num_cols = 8, 6
+    advantages = torch.randn(num_rows, generator=gen, dtype=torch.float64)
+    logprobs = -torch.rand(num_rows, num_cols, generator=gen, dtype=torch.float64) * 3
+    lengths = torch.randint(0, num_cols + 1, (num_rows,), generator=gen)
+    mask = torch.arange(num_cols)[None, :] < lengths[:, None]
+    logprobs = torch.where(mask, logprobs, torch.tensor(float("-inf"), dtype=torch.float64))
+    group_ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    weights, _ = call(advantages, logprobs, mask, group_ids, scope)
+    expected = reference_weights(
+        advantages.tolist(), logprobs.tolist(), mask.tolist(), group_ids.tolist(), scope
+    )
+    assert weights.tolist() == [pytest.approx(row, abs=1e-12) for row in expected]
+
+
+def test_group_and_batch_scopes_differ_and_agree_on_one_group():
+    gen = torch.Generator().manual_seed(3)
+    advantages = torch.randn(4, generator=gen)
+    logprobs = -torch.rand(4, 5, generator=gen)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    one_group = torch.zeros(4, dtype=torch.int64)
+    assert torch.allclose(call(advantages, logprobs, mask, one_group, "group")[0],
+                          call(advantages, logprobs, mask, one_group, "batch")[0])
+    two_groups = torch.tensor([0, 0, 1, 1])
+    assert not torch.allclose(call(advantages, logprobs, mask, two_groups, "group")[0],
+                              call(advantages, logprobs, mask, two_groups, "batch")[0])
+
+
+def test_sigma_zero_gives_unit_weights():
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    # Zero-advantage group: c ≡ 0.
+    w, metrics = call(torch.zeros(2), torch.randn(2, 3), mask, torch.tensor([0, 0]))
+    assert torch.equal(w, mask.float())
+    assert float(metrics["cw_grpo/sigma_zero_fraction"]) == 1.0
+    # Group of one: Â − mean Â = 0.
+    w, _ = call(
+        torch.tensor([2.5]), torch.tensor([[-0.1, -4.0, -2.0]]),
+        torch.ones(1, 3, dtype=torch.bool), torch.tensor([0]),
+    )
+    assert torch.equal(w, torch.ones(1, 3))
+    # Equal log-probs everywhere: log π − mean = 0.
+    w, _ = call(torch.tensor([1.0, -1.0]), torch.full((2, 3), -0.7), mask, torch.tensor([0, 0]))
+    assert torch.equal(w, mask.float())
+
+
+def test_fully_masked_response_gets_zero_and_changes_nothing_else():
+    gen = torch.Generator().manual_seed(5)
+    advantages = torch.randn(3, generator=gen)
+    logprobs = -torch.rand(3, 4, generator=gen)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[1] = False
+    logprobs[1] = float("nan")  # padding garbage must be ignored
+    ids = torch.zeros(3, dtype=torch.int64)
+    weights, _ = call(advantages, logprobs, mask, ids)
+    assert torch.equal(weights[1], torch.zeros(4))
+    keep = torch.tensor([0, 2])
+    without, _ = call(advantages[keep], logprobs[keep], mask[keep], ids[keep])
+    assert torch.allclose(weights[keep], without)
+    all_masked, _ = call(advantages, logprobs, torch.zeros(3, 4, dtype=torch.bool), ids)
+    assert torch.equal(all_masked, torch.zeros(3, 4))
+
+
+def test_non_finite_inputs_raise():
+    mask = torch.tensor([[True, True]])
+    with pytest.raises(ValueError, match="logprobs"):
+        call(torch.ones(1), torch.tensor([[-1.0, float("-inf")]]), mask, torch.tensor([0]))
+    with pytest.raises(ValueError, match="advantages"):
+        call(torch.tensor([float("nan")]), torch.zeros(1, 2), mask, torch.tensor([0]))
+    with pytest.raises(ValueError, match="scope"):
+        call(torch.ones(1), torch.zeros(1, 2), mask, torch.tensor([0]), scope="token")
+    with pytest.raises(ValueError, match="shape|must be"):
+        call(torch.ones(2), torch.zeros(1, 2), mask, torch.tensor([0]))
+
+
+def test_weights_carry_no_gradient():
+    logprobs = (-torch.rand(2, 3)).requires_grad_()
+    advantages = torch.tensor([1.0, -1.0], requires_grad=True)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    weights, _ = call(advantages, logprobs, mask, torch.tensor([0, 0]))
+    assert not weights.requires_grad
+    loss = (weights * logprobs * advantages[:, None]).sum()
+    loss.backward()
+    # The gradient is exactly w̃·Â: nothing flows through the weights.
+    assert torch.allclose(logprobs.grad, weights * advantages.detach()[:, None])
+
+
+def test_underflowing_kernel_stays_finite():
+    # c ≈ 1 for every token with a spread of ~1e-9: exp(-c²/2σ²) underflows to 0 for
+    # all tokens, and the literal Σw normalisation would be 0/0. The log-space
+    # normalisation puts the mass on the token with the smallest |c|.
+    delta = 1e-9
+    logprobs = torch.tensor([[0.0, 0.0], [-2.0, -2.0 + delta]], dtype=torch.float64)
+    weights, _ = call(torch.tensor([1.0, -1.0], dtype=torch.float64), logprobs,
+                      torch.ones(2, 2, dtype=torch.bool), torch.tensor([0, 0]))
+    assert torch.isfinite(weights).all()
+    assert float(weights.sum()) == pytest.approx(4.0)
+    assert weights.argmax().item() == 3  # c = 1 − 3δ/4, the smallest
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), scope=st.sampled_from(["group", "batch"]))
+def test_mean_weight_is_one_per_scope(seed, scope):
+    """Sec. 2.3: w̃ is normalised to keep the expected loss — mean 1 over the N valid tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    advantages = torch.randn(6, generator=gen)
+    logprobs = -torch.rand(6, 7, generator=gen) * 5
+    mask = torch.rand(6, 7, generator=gen) < 0.7
+    group_ids = torch.tensor([0, 1, 0, 1, 2, 2])
+    weights, _ = call(advantages, logprobs, mask, group_ids, scope)
+    assert bool((weights >= 0).all()) and bool((weights[~mask] == 0).all())
+    units = group_ids if scope == "group" else torch.zeros(6, dtype=torch.int64)
+    for unit in units.unique():
+        in_scope = mask & (units == unit)[:, None]
+        n = int(in_scope.sum())
+        if n == 0:
+            continue
+        assert float(weights[in_scope].sum()) == pytest.approx(n, rel=1e-5, abs=1e-6)
+        # w ≤ 1 before normalisation, so no weight exceeds N / Σw ≤ N.
+        assert float(weights[in_scope].max()) <= n + 1e-5
+
+
+def test_registered():
+    assert TOKEN_WEIGHTS.get("cw_grpo") is cw_grpo_token_weights
