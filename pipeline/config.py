@@ -42,12 +42,25 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
+    """Maps one to one onto ``pipeline.rewards.GradingPool``."""
+
     num_workers: int = option(2, ge=1, help="grading worker processes")
     deadline_s: float = option(5.0, gt=0, help="wall-clock limit per graded item; a stuck worker is killed")
     memory_limit_mb: int = option(1024, ge=64, help="address-space cap of each grading worker")
+    chunk_size: int = option(8, ge=1, help="items sent to a worker at a time (the deadline stays per item)")
     format_reward: float = option(
-        0.0, ge=-1.0, le=1.0, help="added to the score when the response has a boxed answer"
+        0.0, ge=0.0, le=1.0, help="added when the response has a complete \\boxed{} answer, subtracted when not"
     )
+    max_response_chars: int = option(8192, ge=1, help="only this many trailing characters of a response are searched")
+    max_answer_chars: int = option(1024, ge=1, help="longer extracted or gold answers are parse errors")
+
+    def pool_kwargs(self) -> dict[str, object]:
+        return {
+            "num_workers": self.num_workers, "deadline_s": self.deadline_s,
+            "memory_limit_mb": self.memory_limit_mb, "chunk_size": self.chunk_size,
+            "format_reward": self.format_reward, "max_response_chars": self.max_response_chars,
+            "max_answer_chars": self.max_answer_chars,
+        }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,3 +121,34 @@ class DataInspectConfig:
 
     data: DataConfig = section(DataConfig, help="data loading options")
     num_examples: int = option(3, ge=0, help="examples to print")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = option(1e-6, gt=0.0, help="peak learning rate (Adam)")
+    min_lr_ratio: float = option(0.0, ge=0.0, le=1.0, help="final learning rate as a fraction of lr (cosine decay)")
+    decay: Literal["constant", "cosine", "linear"] = option("constant", help="learning-rate shape after warm-up")
+    warmup_steps: int = option(0, ge=0, help="linear warm-up steps from 0 to lr")
+    total_steps: int = option(1000, ge=1, help="steps over which cosine/linear decay runs")
+    weight_decay: float = option(0.0, ge=0.0, help="decoupled weight decay")
+    beta1: float = option(0.9, ge=0.0, lt=1.0, help="Adam β1")
+    beta2: float = option(0.999, ge=0.0, lt=1.0, help="Adam β2")
+    eps: float = option(1e-8, gt=0.0, help="Adam ε")
+    clip_grad: float = option(1.0, gt=0.0, help="global gradient-norm clip")
+
+    def __post_init__(self) -> None:
+        _require(self.warmup_steps <= self.total_steps, "warmup_steps",
+                 f"{self.warmup_steps} exceeds total_steps={self.total_steps}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    micro_batch_tokens: int = option(
+        8192, ge=1, help="padded tokens per micro-batch; rows are grouped by length up to this budget"
+    )
+    logprob_chunk_size: int = option(
+        1024, ge=2, help="tokens per chunk of the vocab-parallel log-prob/entropy head"
+    )
+    max_skipped_steps: int = option(
+        3, ge=0, help="consecutive non-finite steps tolerated before the run stops with an error"
+    )

@@ -1,0 +1,347 @@
+"""``grade(response, gold) -> Grade``: a verifiable reward that never raises.
+
+Model output is untrusted text. Nothing here evaluates it as code, and parsed sympy
+objects are never converted to strings, printed or logged (``str()`` of some parsed
+results does not return: https://github.com/huggingface/Math-Verify/issues/65).
+``Grade.extracted`` is always a raw substring of the response.
+
+Grading runs in three steps:
+
+1. ``prepare`` (cheap, bounded, safe in the trainer process): keep the last
+   ``max_response_chars`` of the response; take the last ``\\boxed{...}``/``\\fbox{...}``
+   as the answer; reject answers and gold longer than ``max_answer_chars``;
+   normalize both and compare (``normalize.fast_compare``). Most RL answers end here.
+2. ``grade_with_math_verify`` (sympy; may be slow or stuck): parse the boxed answer,
+   or, when there is no complete box, let math-verify extract one from the response
+   tail, and verify it against the gold, which is parsed once per worker (LRU cache).
+3. A deadline: ``grade()`` arms ``ITIMER_REAL`` around step 2 when called from the main
+   thread. That stops Python-level sympy loops (``9^{9^{9^9}}``) but not a single
+   long C call; ``pool.GradingPool`` runs step 2 in processes it can SIGKILL and is
+   the way to grade untrusted output in training.
+
+Score: ``1.0`` for ``correct`` and ``0.0`` otherwise, plus the format term
+``+format_reward`` when the response has a complete, non-empty box and
+``-format_reward`` when it has none. The format term applies to the outcomes the
+response decides (``correct``, ``wrong``, ``no_answer``, ``parse_error``); grader
+failures (``timeout``, ``memory``, ``worker_error``) and ``invalid_gold`` score
+exactly ``0.0``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.rewards.extract import last_boxed
+from pipeline.rewards.normalize import NormalizedAnswer, fast_compare, normalize_answer
+
+__all__ = [
+    "Grade",
+    "GradeOptions",
+    "PendingGrade",
+    "Reason",
+    "grade",
+    "grade_with_math_verify",
+    "prepare",
+]
+
+
+class Reason(enum.StrEnum):
+    """Why a response got its score. A ``str``, so ``grade.reason == "correct"`` works."""
+
+    CORRECT = "correct"  # the answer equals the gold answer
+    WRONG = "wrong"  # an answer was parsed and it differs from the gold answer
+    NO_ANSWER = "no_answer"  # no box and math-verify found nothing, or an empty box
+    PARSE_ERROR = "parse_error"  # answer longer than max_answer_chars, or unparseable
+    INVALID_GOLD = "invalid_gold"  # the gold answer is empty, too long or unparseable
+    TIMEOUT = "timeout"  # grading passed its deadline (the pool killed the worker)
+    MEMORY = "memory"  # grading hit the worker memory cap (see pool.GradingPool)
+    WORKER_ERROR = "worker_error"  # unexpected exception in the grader or worker death
+
+
+@dataclass(frozen=True, slots=True)
+class Grade:
+    """``score`` is the reward; ``extracted`` the raw answer substring (``None`` if none)."""
+
+    score: float
+    reason: Reason
+    extracted: str | None
+
+    @property
+    def is_correct(self) -> bool:
+        return self.reason is Reason.CORRECT
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GradeOptions:
+    """Grading knobs shared by ``grade`` and ``GradingPool``.
+
+    ``format_reward`` is added when the response has a complete ``\\boxed{}`` and
+    subtracted when it has none. Responses longer than ``max_response_chars`` are
+    searched in their tail only; answers (extracted or gold) longer than
+    ``max_answer_chars`` are not parsed.
+    """
+
+    format_reward: float = 0.0
+    max_response_chars: int = 8192
+    max_answer_chars: int = 1024
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.format_reward):
+            raise ValueError(f"format_reward must be finite, got {self.format_reward!r}")
+        if self.max_response_chars < 1:
+            raise ValueError(f"max_response_chars must be >= 1, got {self.max_response_chars}")
+        if self.max_answer_chars < 1:
+            raise ValueError(f"max_answer_chars must be >= 1, got {self.max_answer_chars}")
+
+
+@dataclass(frozen=True, slots=True)
+class PendingGrade:
+    """A grading the fast path could not decide; plain strings only, so cheap to pickle.
+
+    ``answer`` is the boxed answer, or ``None`` when math-verify must extract one from
+    ``response_tail`` (then ``has_box`` is False).
+    """
+
+    answer: str | None
+    response_tail: str
+    gold: str
+    has_box: bool
+
+
+def _format_term(has_box: bool, options: GradeOptions) -> float:
+    return options.format_reward if has_box else -options.format_reward
+
+
+def _decided(
+    reason: Reason, *, has_box: bool, extracted: str | None, options: GradeOptions
+) -> Grade:
+    """A grade for an outcome the response decided; the format term applies."""
+    correctness = 1.0 if reason is Reason.CORRECT else 0.0
+    return Grade(correctness + _format_term(has_box, options), reason, extracted)
+
+
+def failure(reason: Reason, extracted: str | None = None) -> Grade:
+    """A grade for a grader-side failure (timeout, memory, worker_error, invalid_gold)."""
+    return Grade(0.0, reason, extracted)
+
+
+@functools.lru_cache(maxsize=16384)
+def _normalized_gold(gold: str) -> NormalizedAnswer:
+    return normalize_answer(gold)
+
+
+def _strip_math_delimiters(text: str) -> str:
+    text = text.strip()
+    if len(text) >= 2 and text[0] == "$" and text[-1] == "$":
+        return text.strip("$").strip()
+    return text
+
+
+def prepare(response: Any, gold: Any, options: GradeOptions) -> Grade | PendingGrade:
+    """The cheap half of ``grade``: a final ``Grade``, or the work left for math-verify.
+
+    Linear in ``options.max_response_chars`` and safe on any input; never raises.
+    """
+    if not isinstance(gold, str):
+        return failure(Reason.INVALID_GOLD)
+    gold = _strip_math_delimiters(gold)
+    if not gold or len(gold) > options.max_answer_chars:
+        return failure(Reason.INVALID_GOLD)
+    if not isinstance(response, str) or not response:
+        return _decided(Reason.NO_ANSWER, has_box=False, extracted=None, options=options)
+    tail = response[-options.max_response_chars :]
+    boxed = last_boxed(tail)
+    if boxed is None or boxed.content is None:
+        # No complete box: math-verify's own extraction decides (in a worker).
+        return PendingGrade(answer=None, response_tail=tail, gold=gold, has_box=False)
+    answer = boxed.content
+    if len(answer) > options.max_answer_chars:
+        return _decided(Reason.PARSE_ERROR, has_box=True, extracted=None, options=options)
+    normalized_gold = _normalized_gold(gold)
+    if not normalized_gold.text:
+        return failure(Reason.INVALID_GOLD)
+    normalized = normalize_answer(answer)
+    if not normalized.text:
+        # "\boxed{}" holds no answer, so it earns no format bonus either.
+        return _decided(Reason.NO_ANSWER, has_box=False, extracted=answer, options=options)
+    verdict = fast_compare(normalized, normalized_gold)
+    if verdict is None:
+        return PendingGrade(answer=answer, response_tail="", gold=gold, has_box=True)
+    reason = Reason.CORRECT if verdict else Reason.WRONG
+    return _decided(reason, has_box=True, extracted=answer, options=options)
+
+
+# ---------------------------------------------------------------------------------------
+# math-verify (sympy) path
+
+
+@functools.cache
+def _math_verify() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Import math-verify on first use: the fast path and the pool parent never need it."""
+    import math_verify.grader
+    import math_verify.parser
+    from math_verify import parse, verify
+
+    # Its "timeout is disabled" warning is for callers that own no deadline; we do
+    # (the itimer in grade(), or the pool's SIGKILL).
+    math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+    return parse, verify
+
+
+def _parse(text: str) -> list[Any]:
+    parse, _ = _math_verify()
+    # parsing_timeout=None: its signal.alarm timeout raises ValueError off the main
+    # thread and would fight with our own deadline.
+    return parse(text, parsing_timeout=None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_gold(gold: str) -> tuple[Any, ...]:
+    return tuple(_parse("\\boxed{" + gold + "}"))
+
+
+def _has_expression(parsed: list[Any]) -> bool:
+    return any(not isinstance(item, str) for item in parsed)
+
+
+def grade_with_math_verify(pending: PendingGrade, options: GradeOptions) -> Grade:
+    """The slow half of ``grade``. May take unbounded time or memory on hostile input:
+    call it under a deadline. Exceptions propagate (callers map them to reasons)."""
+    _, verify = _math_verify()
+    gold = _parsed_gold(pending.gold)
+    if not gold:
+        return failure(Reason.INVALID_GOLD, pending.answer)
+    if pending.answer is not None:
+        extracted = pending.answer
+        prediction = _parse("\\boxed{" + _strip_math_delimiters(extracted) + "}")
+    else:
+        prediction = _parse(pending.response_tail)
+        # With fallback_mode="first_match" math-verify appends the matched text after
+        # its LaTeX normalization (never a rendering of a sympy object). Keep it only
+        # when it is verbatim in the response, so ``extracted`` is always a substring.
+        matched = next((item for item in reversed(prediction) if isinstance(item, str)), None)
+        extracted = matched if matched and matched in pending.response_tail else None
+        if not prediction:
+            return _decided(Reason.NO_ANSWER, has_box=False, extracted=None, options=options)
+        if matched is not None and len(matched) > options.max_answer_chars:
+            return _decided(Reason.PARSE_ERROR, has_box=False, extracted=None, options=options)
+    has_box = pending.has_box
+    if not prediction:
+        return _decided(Reason.PARSE_ERROR, has_box=has_box, extracted=extracted, options=options)
+    if verify(list(gold), prediction, timeout_seconds=None):
+        return _decided(Reason.CORRECT, has_box=has_box, extracted=extracted, options=options)
+    reason = Reason.WRONG if _has_expression(prediction) else Reason.PARSE_ERROR
+    return _decided(reason, has_box=has_box, extracted=extracted, options=options)
+
+
+# ---------------------------------------------------------------------------------------
+# In-process deadline
+
+
+class _DeadlineExceeded(BaseException):
+    """Raised by our SIGALRM handler; a BaseException so library ``except Exception``
+    blocks (math-verify has many) do not swallow it."""
+
+
+@contextmanager
+def _alarm(timeout_s: float | None) -> Iterator[None]:
+    """Raise ``_DeadlineExceeded`` in the main thread after ``timeout_s`` seconds.
+
+    A no-op off the main thread (signals are delivered to it only), when no Python
+    handler can be restored afterwards, or when an outer ``ITIMER_REAL`` (for example
+    pytest-timeout) fires first. An outer timer that fires later is re-armed with its
+    remaining time on exit.
+    """
+    if timeout_s is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous_handler = signal.getsignal(signal.SIGALRM)
+    outer_delay, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    if previous_handler is None or (outer_delay > 0 and outer_delay <= timeout_s):
+        yield
+        return
+    armed = [True]
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        if armed[0]:
+            raise _DeadlineExceeded
+
+    start = time.monotonic()
+    signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            armed[0] = False
+    finally:
+        signal.signal(signal.SIGALRM, previous_handler)
+        if outer_delay > 0:
+            remaining = max(outer_delay - (time.monotonic() - start), 1e-3)
+            signal.setitimer(signal.ITIMER_REAL, remaining, outer_interval)
+
+
+def grade(
+    response: str,
+    gold: str,
+    *,
+    format_reward: float = 0.0,
+    timeout_s: float | None = 5.0,
+    max_response_chars: int = 8192,
+    max_answer_chars: int = 1024,
+) -> Grade:
+    """Grade one response against its gold answer, in this process.
+
+    Never raises for any ``response``/``gold`` content (``KeyboardInterrupt`` and
+    ``SystemExit`` still propagate); invalid options raise ``ValueError``.
+    ``timeout_s`` bounds the math-verify step only when called from the main thread
+    (see the module docstring); for training use ``GradingPool.grade_batch``.
+    """
+    options = GradeOptions(
+        format_reward=format_reward,
+        max_response_chars=max_response_chars,
+        max_answer_chars=max_answer_chars,
+    )
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive or None, got {timeout_s!r}")
+    try:
+        prepared = prepare(response, gold, options)
+    except MemoryError:
+        return failure(Reason.MEMORY)
+    except Exception:  # noqa: BLE001 - the contract is "never raises"
+        return failure(Reason.WORKER_ERROR)
+    if isinstance(prepared, Grade):
+        return prepared
+    return grade_pending_guarded(prepared, options, timeout_s=timeout_s)
+
+
+def grade_pending_guarded(
+    pending: PendingGrade, options: GradeOptions, *, timeout_s: float | None
+) -> Grade:
+    """``grade_with_math_verify`` with every failure mapped to a ``Reason``."""
+    try:
+        with _alarm(timeout_s):
+            return grade_with_math_verify(pending, options)
+    except _DeadlineExceeded:
+        return failure(Reason.TIMEOUT, pending.answer)
+    except MemoryError:
+        return failure(Reason.MEMORY, pending.answer)
+    except RecursionError:
+        return _decided(
+            Reason.PARSE_ERROR, has_box=pending.has_box, extracted=pending.answer, options=options
+        )
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # noqa: BLE001 - includes math-verify's TimeoutException
+        return failure(Reason.WORKER_ERROR, pending.answer)

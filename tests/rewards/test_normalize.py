@@ -1,0 +1,150 @@
+"""The fast path: normalization, exact rationals, and soundness against math-verify."""
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.rewards.normalize import MAX_NUMBER_CHARS, fast_compare, normalize_answer
+
+
+def verdict(pred: str, gold: str) -> bool | None:
+    return fast_compare(normalize_answer(pred), normalize_answer(gold))
+
+
+@pytest.mark.parametrize(
+    ("answer", "text", "value"),
+    [
+        ("\\dfrac{3}{4}", "\\frac{3}{4}", Fraction(3, 4)),
+        ("\\tfrac12", "\\frac12", Fraction(1, 2)),
+        ("-\\frac{1}{2}", "-\\frac{1}{2}", Fraction(-1, 2)),
+        ("\\frac{-1}{2}", "\\frac{-1}{2}", Fraction(-1, 2)),
+        ("$ 1/2 $", "1/2", Fraction(1, 2)),
+        ("\\text{(A)}", "A", None),
+        ("\\textbf{(B)}", "B", None),
+        ("x = 2.", "2", Fraction(2)),
+        ("\\left( 0 , 1 \\right]", "(0,1]", None),
+        ("1{,}000", "1,000", None),  # thousands separators are left to math-verify
+        ("1\\,000", "1000", Fraction(1000)),  # a thin space is only spacing
+        ("\\pi r^2", "\\pi r^2", None),  # "\pir" would be another macro
+        ("2 3", "2 3", None),  # digits are not glued together
+        ("{{7}}", "7", Fraction(7)),
+        ("(-5)", "-5", Fraction(-5)),
+        ("\u22123", "-3", Fraction(-3)),  # unicode minus
+        ("007", "007", Fraction(7)),
+        ("1/0", "1/0", None),  # no division by zero
+        ("9" * (MAX_NUMBER_CHARS + 1), "9" * (MAX_NUMBER_CHARS + 1), None),  # no huge ints
+    ],
+)
+def test_normalize_answer(answer, text, value):
+    normalized = normalize_answer(answer)
+    assert normalized.text == text
+    assert normalized.value == value
+
+
+@pytest.mark.parametrize(
+    ("answer", "marks"),
+    [
+        ("10\\%", {"percent"}),
+        ("90^\\circ", {"degrees"}),
+        ("90^{\\circ}", {"degrees"}),
+        ("x=2", {"assign:x"}),
+        ("\\$5", {"currency"}),
+        ("$5$", set()),  # math delimiters are not currency
+        ("\\sin 30^\\circ", {"degrees"}),
+    ],
+)
+def test_lossy_steps_are_marked(answer, marks):
+    assert normalize_answer(answer).marks == frozenset(marks)
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [
+        ("1/2", "0.5"),
+        ("\\frac{1}{2}", "0.5"),
+        ("\\frac12", "1/2"),
+        ("0.50", "\\dfrac{1}{2}"),
+        ("-0.5", "-\\frac{1}{2}"),
+        ("x=2", "2"),
+        ("2", "x = 2"),
+        ("10\\%", "10"),
+        ("10", "10\\%"),
+        ("90^\\circ", "90"),
+        ("\\text{(A)}", "A"),
+        ("(A)", "\\textbf{A}"),
+        ("\\left(0,1\\right]", "(0, 1]"),
+        ("5.", "5"),
+        ("\\$5", "5"),
+    ],
+)
+def test_true_equalities_are_decided_equal(pred, gold):
+    assert verdict(pred, gold) is True
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [("0.333", "1/3"), ("2", "-2"), ("12", "1.2"), ("3", "\\frac{1}{3}"), ("0", "1")],
+)
+def test_plain_number_near_misses_are_decided_unequal(pred, gold):
+    assert verdict(pred, gold) is False
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [
+        ("0.333333", "1/3"),  # math-verify rounds decimals to 6 places: its call
+        ("10\\%", "0.1"),  # percent may be a fraction
+        ("x=3", "2"),  # marked: not a plain number
+        ("10\\%", "10^\\circ"),  # different lossy steps never compare equal here
+        ("2\\sqrt{2}", "\\sqrt{8}"),
+        ("\\{1,2\\}", "\\{2,1\\}"),
+        ("1,000", "1000"),
+    ],
+)
+def test_everything_else_is_left_to_math_verify(pred, gold):
+    assert verdict(pred, gold) is None
+
+
+# Soundness: whenever the fast path decides, math-verify agrees. Numbers are written
+# in every notation the fast path understands.
+def _written(value: Fraction, style: int) -> str:
+    if style == 3:
+        return f"{float(value):.6f}"
+    if value.denominator == 1:
+        return str(value.numerator)
+    if style == 0:
+        return f"{value.numerator}/{value.denominator}"
+    if style == 1:
+        sign = "-" if value < 0 else ""
+        return f"{sign}\\frac{{{abs(value.numerator)}}}{{{value.denominator}}}"
+    return f"\\dfrac{{{value.numerator}}}{{{value.denominator}}}"
+
+
+_fractions = st.fractions(min_value=-1000, max_value=1000, max_denominator=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    a=_fractions,
+    b=_fractions,
+    style_a=st.integers(0, 3),
+    style_b=st.integers(0, 3),
+    same=st.booleans(),
+)
+def test_fast_path_never_contradicts_math_verify(a, b, style_a, style_b, same):
+    from math_verify import parse, verify
+
+    if same:
+        b = a
+    pred, gold = _written(a, style_a), _written(b, style_b)
+    decided = verdict(pred, gold)
+    if decided is None:
+        return
+    reference = verify(
+        parse("\\boxed{" + gold + "}", parsing_timeout=None),
+        parse("\\boxed{" + pred + "}", parsing_timeout=None),
+        timeout_seconds=None,
+    )
+    assert decided == reference, (pred, gold)
