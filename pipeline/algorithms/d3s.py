@@ -392,6 +392,26 @@ def d3s_cross_select(
 # --------------------------------------------------------------------------- #
 
 
+def _single_unit_topk_mask(*, scores: torch.Tensor, valid_mask: torch.Tensor, keep_ratio: float) -> torch.Tensor:
+    """``_topk_token_mask`` for one pool (the default batch scope) in O(n) instead of two sorts.
+
+    The k-th largest valid score is found by selection (``kthvalue``); every score
+    above it is kept, and among scores equal to it the lowest flat indices fill the
+    remaining places — the same set the stable sort would choose.
+    """
+    valid_scores = scores[valid_mask]
+    num_valid = valid_scores.numel()
+    keep = torch.zeros_like(valid_mask)
+    if num_valid == 0:
+        return keep
+    num_keep = min(num_valid, max(1, math.ceil(num_valid * keep_ratio - _CEIL_SLACK)))
+    threshold = torch.kthvalue(valid_scores, num_valid - num_keep + 1).values
+    above = valid_mask & (scores > threshold)
+    tied = valid_mask & (scores == threshold)
+    places_left = num_keep - int(above.sum())
+    return above | (tied & (torch.cumsum(tied, 0) <= places_left))
+
+
 def _topk_token_mask(
     *, scores: torch.Tensor, valid_mask: torch.Tensor, unit_ids: torch.Tensor, keep_ratio: float
 ) -> torch.Tensor:
@@ -402,6 +422,8 @@ def _topk_token_mask(
     """
     num_tokens = scores.numel()
     device = scores.device
+    if num_tokens and bool((unit_ids == unit_ids[0]).all()):
+        return _single_unit_topk_mask(scores=scores, valid_mask=valid_mask, keep_ratio=keep_ratio)
     ranked = torch.where(valid_mask, scores, torch.full_like(scores, float("-inf")))
     by_score = torch.sort(ranked, descending=True, stable=True).indices
     order = by_score[torch.sort(unit_ids[by_score], stable=True).indices]  # (B·T,)

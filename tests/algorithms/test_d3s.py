@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.algorithms.d3s import (
+    _single_unit_topk_mask,
     D3S_VARIANTS,
     D3SSchedule,
     d3s_cross_select,
@@ -500,3 +501,22 @@ def test_registered():
     assert SAMPLE_SELECTORS.get("d3s_intra") is d3s_intra_select
     assert SAMPLE_SELECTORS.get("d3s_cross") is d3s_cross_select
     assert TOKEN_WEIGHTS.get("d3s_topk") is d3s_topk_token_weights
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.integers(0, 4), min_size=1, max_size=120),
+    valid_bits=st.lists(st.booleans(), min_size=120, max_size=120),
+    keep_ratio=st.floats(0.01, 1.0),
+)
+def test_single_pool_selection_equals_stable_sort_reference(values, valid_bits, keep_ratio):
+    """The O(n) batch-scope path picks exactly the stable-sort top-K (ties → lower index)."""
+    scores = torch.tensor(values, dtype=torch.float64)  # many ties on purpose
+    valid = torch.tensor(valid_bits[: len(values)])
+    fast = _single_unit_topk_mask(scores=scores, valid_mask=valid, keep_ratio=keep_ratio)
+    num_valid = int(valid.sum())
+    num_keep = min(num_valid, max(1, math.ceil(num_valid * keep_ratio - 1e-6))) if num_valid else 0
+    ranked = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
+    reference = torch.zeros_like(valid)
+    reference[torch.sort(ranked, descending=True, stable=True).indices[:num_keep]] = True
+    assert torch.equal(fast, reference)
