@@ -1,0 +1,315 @@
+"""The Megatron actor: a GPTModel with megatron's DDP, optimizer and schedules, plus what RL needs.
+
+This module and ``pipeline/parallel/`` are the only places that touch
+megatron's distributed machinery. Loss code (``pipeline/trainer/losses.py``,
+``pipeline/algorithms/``) receives tensors and a global normalizer, never a
+process group.
+
+Log-probs never go through megatron's logits: the output layer of the last
+pipeline stage is turned into a pass-through (its weight stays where megatron
+keeps it, so checkpoints and tied embeddings are untouched), and the chunked
+vocab-parallel head of :mod:`pipeline.algorithms.logprobs` computes log-probs
+and entropies from the final hidden states with a TP reducer, so the
+(tokens, vocab) float32 tensor never exists.
+
+Normalization across micro-batches and data-parallel ranks: each loss is
+``sum over this micro-batch / global denominator`` (the denominator summed over
+every micro-batch of every DP rank), so summing the micro-batch losses gives the
+full-batch loss. megatron's schedule divides by the number of micro-batches only
+for two-tuple loss returns, so we return three-tuples with
+``calculate_per_token_loss=True``; megatron's DDP averages gradients over DP
+ranks, which we undo by scaling the loss by the DP size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+
+from pipeline.algorithms.logprobs import token_logprobs_and_entropy
+from pipeline.config import OptimConfig, TrainerConfig
+from pipeline.models.factory import build_gpt_model
+from pipeline.models.sharding import shard_full_state_dict
+from pipeline.models.spec import ModelSpec
+from pipeline.parallel.context import ParallelContext
+from pipeline.trainer.batch import TrainBatch, plan_micro_batches
+from pipeline.trainer.schedule import LearningRateSchedule
+
+logger = logging.getLogger(__name__)
+
+
+class TokenLoss(Protocol):
+    """A loss over the response tokens of a micro-batch (see ``pipeline/trainer/losses.py``)."""
+
+    def denominator(self, micro: TrainBatch) -> torch.Tensor: ...
+
+    def __call__(
+        self, *, logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: TrainBatch, normalizer: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]: ...
+
+
+@dataclass(slots=True)
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: bool
+    learning_rate: float
+    num_micro_batches: int
+    metrics: dict[str, float]
+
+
+def _pass_through_output_layer(output_layer: torch.nn.Module) -> None:
+    """Make megatron's output layer return its input; the weight stays registered."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):  # noqa: ARG001
+        return input_, None
+
+    output_layer.forward = types.MethodType(forward, output_layer)
+
+
+def _finalize_grads_without_token_scaling(models, num_tokens=None, **kwargs):
+    """megatron's finalize (DP all-reduce, tied-embedding sync) minus its division by the
+    token count: our losses are already divided by the global normalizer."""
+    del num_tokens
+    return finalize_model_grads(models, None, **kwargs)
+
+
+def _causal_mask(length: int) -> torch.Tensor:
+    # megatron's convention: True = masked. Always explicit: without one megatron
+    # builds its causal mask on device="cuda".
+    return torch.ones(1, 1, length, length, dtype=torch.bool).triu_(1)
+
+
+class Actor:
+    """A trainable policy on this rank's TP/PP shard."""
+
+    def __init__(self, *, spec: ModelSpec, context: ParallelContext, trainer: TrainerConfig, optim: OptimConfig, seed: int):
+        self.spec = spec
+        self.context = context
+        self.trainer = trainer
+        self.optim = optim
+        model = build_gpt_model(spec, parallel_context=context, seed=seed)
+        if context.is_pipeline_last:
+            _pass_through_output_layer(model.output_layer)
+        # Grad sync and the tied-embedding all-reduce happen once per step in finalize.
+        model.config.finalize_model_grads_func = _finalize_grads_without_token_scaling
+        model.config.calculate_per_token_loss = True
+        self.model = DistributedDataParallel(
+            model.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
+            model,
+        )
+        self.optimizer = get_megatron_optimizer(
+            MegatronOptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.beta1,
+                adam_beta2=optim.beta2,
+                adam_eps=optim.eps,
+                clip_grad=optim.clip_grad,
+                bf16=False,
+                fp16=False,
+                use_distributed_optimizer=False,
+            ),
+            [self.model],
+        )
+        self.schedule = LearningRateSchedule(optim)
+        self.num_skipped_steps = 0
+        self._forward_backward = get_forward_backward_func()
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def module(self):
+        return self.model.module
+
+    def _output_weight(self) -> torch.Tensor:
+        module = self.module
+        if module.share_embeddings_and_output_weights:
+            return module.shared_embedding_or_output_weight()
+        return module.output_layer.weight
+
+    def _head(self, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-aligned (B, T) log-probs and entropies from final hidden states (B, T, H)."""
+        if self.module.config.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden.transpose(0, 1)).transpose(0, 1)
+        # Identity forward, TP all-reduce of the hidden-state gradient in backward:
+        # what megatron's ColumnParallelLinear output layer would have done.
+        hidden = copy_to_tensor_model_parallel_region(hidden[:, :-1])  # (B, T-1, H)
+        batch, steps, width = hidden.shape
+        weight = self._output_weight()
+        vocab_start, _ = self.context.vocab_range(self.spec.vocab_size)
+        result = token_logprobs_and_entropy(
+            hidden=hidden.reshape(batch * steps, width),
+            output_weight=weight,
+            targets=tokens[:, 1:].reshape(-1),
+            temperature=temperature,
+            chunk_size=self.trainer.logprob_chunk_size,
+            vocab_start=vocab_start,
+            reducer=self.context.tp_vocab_reducer(),
+        )
+        pad = hidden.new_zeros(batch, 1, dtype=result.logprobs.dtype)
+        logprobs = torch.cat([pad, result.logprobs.view(batch, steps)], dim=1)  # (B, T)
+        entropy = torch.cat([pad, result.entropy.view(batch, steps)], dim=1)  # (B, T)
+        return logprobs, entropy
+
+    def _micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], int, int]:
+        """Split by token count; with pipeline stages, every micro-batch has one shape."""
+        lengths = batch.seq_lengths
+        if self.context.pipeline_parallel == 1:
+            plans = plan_micro_batches(lengths, max_tokens=self.trainer.micro_batch_tokens)
+            micros = [batch.select(rows, length=int(lengths[rows].max())) for rows in plans]
+            return micros, micros[0].tokens.shape[1], micros[0].batch_size
+        # p2p buffers are allocated from (seq_length, micro_batch_size): pad to the batch's
+        # longest sequence and fill the last micro-batch with fully masked rows.
+        length = int(lengths.max())
+        rows = max(1, self.trainer.micro_batch_tokens // length)
+        num_micro = math.ceil(batch.batch_size / rows)
+        padded = _pad_rows(batch, num_micro * rows)
+        micros = [padded.select(torch.arange(i * rows, (i + 1) * rows), length=length) for i in range(num_micro)]
+        return micros, length, rows
+
+    def _run(self, batch: TrainBatch, *, loss: TokenLoss | None, temperature: float, forward_only: bool):
+        micros, seq_length, micro_rows = self._micro_batches(batch)
+        normalizer = None
+        if loss is not None:
+            local = torch.stack([loss.denominator(m) for m in micros]).sum()
+            normalizer = self.context.dp_sum(local.to(torch.float64))
+        scale = float(self.context.data_parallel)
+        collected: list[torch.Tensor] = []
+
+        def forward_step(data_iterator: Iterator[TrainBatch], model):
+            micro = next(data_iterator)
+            length = micro.tokens.shape[1]
+            positions = torch.arange(length).unsqueeze(0).expand(micro.batch_size, -1)
+            output = model(micro.tokens, positions, _causal_mask(length))
+
+            def loss_func(hidden: torch.Tensor):
+                logprobs, entropy = self._head(hidden, micro.tokens, temperature)
+                if loss is None:
+                    collected.append(logprobs.detach())
+                    zero = logprobs.sum() * 0.0
+                    return zero, torch.tensor(1, dtype=torch.int), {}
+                value, metrics = loss(logprobs=logprobs, entropy=entropy, micro=micro, normalizer=normalizer)
+                reported = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
+                reported["loss"] = value.detach()
+                return value * scale, torch.tensor(1, dtype=torch.int), reported
+
+            return output, loss_func
+
+        outputs = self._forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(micros),
+            model=[self.model],
+            num_microbatches=len(micros),
+            seq_length=seq_length,
+            micro_batch_size=micro_rows,
+            forward_only=forward_only,
+        )
+        return micros, outputs, collected
+
+    # ------------------------------------------------------------------ public API
+    def load_full_state_dict(self, full_state_dict: dict[str, torch.Tensor]) -> None:
+        """Load unsplit (TP=1, PP=1) megatron weights; this rank keeps its own shard."""
+        local = shard_full_state_dict(
+            self.module, full_state_dict, tp_rank=self.context.tp_rank, tp_size=self.context.tensor_parallel
+        )
+        self.module.load_state_dict(local, strict=True)
+
+    def compute_logprobs(self, batch: TrainBatch, *, temperature: float = 1.0) -> torch.Tensor:
+        """(B, T) token-aligned log-probs of the response tokens under the current weights.
+
+        Available on every pipeline stage; positions outside ``response_mask`` hold 0.
+        """
+        self.model.eval()
+        with torch.no_grad():
+            micros, _, collected = self._run(batch, loss=None, temperature=temperature, forward_only=True)
+        self.model.train()
+        result = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        if self.context.is_pipeline_last:
+            for rows, logprobs in zip(self._micro_rows(batch), collected):
+                result[rows, : logprobs.shape[1]] = logprobs[: len(rows)].float()
+            result = torch.where(batch.response_mask, result, 0.0)
+        return self.context.broadcast_from_last_stage(result)
+
+    def _micro_rows(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """The original row indices of each micro-batch, in ``_micro_batches`` order."""
+        if self.context.pipeline_parallel == 1:
+            return plan_micro_batches(batch.seq_lengths, max_tokens=self.trainer.micro_batch_tokens)
+        rows = max(1, self.trainer.micro_batch_tokens // int(batch.seq_lengths.max()))
+        return [r for r in torch.arange(batch.batch_size).split(rows)]
+
+    def train_step(self, batch: TrainBatch, loss: TokenLoss, *, temperature: float = 1.0) -> StepResult:
+        """One optimizer step on ``batch`` (this DP rank's share); a non-finite step is skipped."""
+        learning_rate = self.schedule.apply(self.optimizer)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        _, outputs, _ = self._run(batch, loss=loss, temperature=temperature, forward_only=False)
+        metrics = self._reduce_metrics(outputs)
+        finite = torch.tensor(
+            [float(math.isfinite(metrics.get("loss", 0.0)) and self._grads_finite())], dtype=torch.float32
+        )
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips together or none does
+        if finite.item() < 1.0:
+            self.num_skipped_steps += 1
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            logger.warning("non-finite loss or gradient: step skipped (%d so far)", self.num_skipped_steps)
+            return StepResult(metrics.get("loss", float("nan")), float("nan"), True, learning_rate, len(outputs), metrics)
+        _, grad_norm, _ = self.optimizer.step()
+        self.schedule.step()
+        return StepResult(metrics.get("loss", 0.0), float(grad_norm), False, learning_rate, len(outputs), metrics)
+
+    def _grads_finite(self) -> bool:
+        return all(
+            bool(torch.isfinite(p.main_grad).all()) for p in self.model.parameters() if getattr(p, "main_grad", None) is not None
+        )
+
+    def _reduce_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Loss: sum over micro-batches and DP ranks; other metrics: mean. Shared by all stages."""
+        payload: list[dict[str, float] | None] = [None]
+        if self.context.is_pipeline_last:
+            keys = sorted(outputs[0]) if outputs else []
+            values = torch.tensor(
+                [[float(o[k]) for k in keys] for o in outputs], dtype=torch.float64
+            ).reshape(len(outputs), len(keys))
+            sums = self.context.dp_sum(values.sum(dim=0))
+            counts = self.context.dp_sum(torch.tensor(float(len(outputs)), dtype=torch.float64))
+            payload[0] = {
+                k: float(sums[i] if k == "loss" else sums[i] / counts) for i, k in enumerate(keys)
+            }
+        if self.context.pipeline_parallel > 1:
+            dist.broadcast_object_list(payload, src=self.context.pipeline_last_rank, group=self.context.pp_group)
+        return payload[0] or {}
+
+
+def _pad_rows(batch: TrainBatch, num_rows: int) -> TrainBatch:
+    extra = num_rows - batch.batch_size
+    if extra == 0:
+        return batch
+
+    def pad(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        return torch.cat([tensor, tensor.new_zeros((extra, tensor.shape[1]))])
+
+    return TrainBatch(
+        tokens=pad(batch.tokens),
+        response_mask=pad(batch.response_mask),
+        advantages=pad(batch.advantages),
+        old_logprobs=pad(batch.old_logprobs),
+        ref_logprobs=pad(batch.ref_logprobs),
+        token_mask=pad(batch.token_mask),
+    )

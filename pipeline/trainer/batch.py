@@ -1,0 +1,86 @@
+"""``TrainBatch``: what the actor's update consumes, and token-count micro-batching.
+
+Every per-token tensor is aligned with ``tokens``: entry ``[b, t]`` concerns the
+token at position ``t`` (its log-prob given ``tokens[b, :t]``, its advantage,
+whether it is a response token). Position 0 is never a response token, so the
+alignment loses nothing and padding never needs index arithmetic elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    tokens: torch.Tensor  # (B, T) int64, prompt + response, right-padded
+    response_mask: torch.Tensor  # (B, T) bool: tokens the policy generated (and is trained on)
+    advantages: torch.Tensor | None = None  # (B, T) float: per-token advantage × token weight
+    old_logprobs: torch.Tensor | None = None  # (B, T) float: log π_old, for the ratio
+    ref_logprobs: torch.Tensor | None = None  # (B, T) float: log π_ref, for the KL term
+    token_mask: torch.Tensor | None = None  # (B, T) bool: tokens kept by token selection
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 2:
+            raise ValueError(f"tokens must be (B, T), got {tuple(self.tokens.shape)}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and value.shape != self.tokens.shape:
+                raise ValueError(
+                    f"{field.name} must have the shape of tokens {tuple(self.tokens.shape)}, got {tuple(value.shape)}"
+                )
+        if self.response_mask.dtype != torch.bool:
+            raise ValueError("response_mask must be a bool tensor")
+        if self.response_mask[:, 0].any():
+            raise ValueError("position 0 cannot be a response token (it has no prefix)")
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_lengths(self) -> torch.Tensor:
+        """(B,) index of the last response token + 1 (or of the last non-pad token, via the mask)."""
+        positions = torch.arange(self.tokens.shape[1], device=self.tokens.device)
+        last = torch.where(self.response_mask, positions, torch.zeros_like(positions)).amax(dim=1)
+        return last + 1
+
+    def select(self, rows: torch.Tensor, *, length: int | None = None) -> TrainBatch:
+        """The rows ``rows`` (indices), optionally cut to the first ``length`` positions."""
+        cut = slice(None) if length is None else slice(0, length)
+        values = {
+            field.name: (getattr(self, field.name)[rows][:, cut] if getattr(self, field.name) is not None else None)
+            for field in dataclasses.fields(self)
+        }
+        return TrainBatch(**values)
+
+
+def plan_micro_batches(
+    seq_lengths: torch.Tensor, *, max_tokens: int, max_rows: int | None = None
+) -> list[torch.Tensor]:
+    """Group rows into micro-batches whose padded size (rows × longest row) ≤ ``max_tokens``.
+
+    Rows are taken longest first so that rows of similar length share a
+    micro-batch (ragged groups from adaptive sampling would otherwise all pad to
+    the longest sequence). A single row longer than ``max_tokens`` still gets a
+    micro-batch of its own. Returns index tensors covering every row once.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be ≥ 1, got {max_tokens}")
+    order = torch.argsort(seq_lengths, descending=True, stable=True).tolist()
+    lengths = seq_lengths.tolist()
+    plans: list[list[int]] = []
+    current: list[int] = []
+    for row in order:
+        longest = lengths[current[0]] if current else lengths[row]
+        full = max_rows is not None and len(current) >= max_rows
+        if current and (full or (len(current) + 1) * longest > max_tokens):
+            plans.append(current)
+            current = []
+        current.append(row)
+    if current:
+        plans.append(current)
+    return [torch.tensor(sorted(rows), dtype=torch.long) for rows in plans]

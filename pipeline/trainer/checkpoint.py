@@ -1,0 +1,256 @@
+"""Atomic, verified, resharding checkpoints of the actor and of everything else a run changes.
+
+Layout of one checkpoint (``<directory>/step_00000120/``)::
+
+    weights/               megatron dist_checkpointing: model + optimizer, any TP/PP layout
+    ranks/rank_00003.json  per-rank state: RNG states, learning-rate schedule
+    state.json             run state from rank 0 (step, data position, stats, schedulers, ...)
+    tensors.safetensors    run tensors from rank 0 (estimator weights, stats arrays, ...)
+    manifest.json          written last: every file with its size (and sha256 for small files),
+                           the layout and the layer-spec choice it was saved under
+
+A save writes everything into ``step_00000120.tmp`` and renames it into place
+only after every rank has finished and the manifest is written; ``latest`` (a
+one-line file) is replaced atomically afterwards, so a crash at any point
+leaves the previous checkpoint and pointer intact. ``load_latest`` checks the
+manifest before trusting a checkpoint and falls back to older ones, saying why.
+Only safetensors, JSON and megatron's weights-only ``torch.load`` are read back:
+no pickle of untrusted files.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from safetensors.torch import load_file, save_file
+
+from pipeline.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+HASHED_FILE_LIMIT = 64 * 2**20  # files above this are checked by size only (hashing TBs costs minutes)
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
+
+
+@dataclass(slots=True)
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    state: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json_atomic(path: Path, payload: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as handle:
+        json.dump(payload, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(path)
+
+
+def _encode_bytes(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode("ascii")
+
+
+def _decode_bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every RNG that training touches on this rank, as JSON-serializable data."""
+    numpy_state = np.random.get_state()
+    state = {
+        "torch": _encode_bytes(torch.get_rng_state()),
+        "python": json.loads(json.dumps(random.getstate())),
+        "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+    }
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = _encode_bytes(torch.cuda.get_rng_state())
+        state["megatron_tracker"] = {
+            name: _encode_bytes(value) for name, value in tensor_parallel.get_cuda_rng_tracker().get_states().items()
+        }
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(_decode_bytes(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(_decode_bytes(state["cuda"]))
+        tensor_parallel.get_cuda_rng_tracker().set_states(
+            {name: _decode_bytes(value) for name, value in state["megatron_tracker"].items()}
+        )
+
+
+class CheckpointManager:
+    """Saves and restores checkpoints under one directory; every rank calls every method."""
+
+    def __init__(self, directory: str | Path, *, keep_last: int, rank: int = 0, world_size: int = 1) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be ≥ 1, got {keep_last}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.rank = rank
+        self.world_size = world_size
+
+    # ------------------------------------------------------------------ paths
+    def step_path(self, step: int) -> Path:
+        return self.directory / f"step_{step:08d}"
+
+    def list_steps(self) -> list[int]:
+        if not self.directory.is_dir():
+            return []
+        steps = [int(m.group(1)) for p in self.directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+        return sorted(steps)
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, *, actor, state: dict[str, Any] | None = None,
+             tensors: dict[str, torch.Tensor] | None = None, metadata: dict[str, Any] | None = None) -> Path:
+        """Write checkpoint ``step`` atomically; returns its final path."""
+        final = self.step_path(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # a previous crash mid-save
+            (tmp / "weights").mkdir(parents=True)
+            (tmp / "ranks").mkdir()
+        self._barrier()
+        try:
+            model_state = actor.module.sharded_state_dict()
+            dist_checkpointing.save(
+                {"model": model_state, "optimizer": actor.optimizer.sharded_state_dict(model_state)},
+                str(tmp / "weights"),
+            )
+            _write_json_atomic(
+                tmp / "ranks" / f"rank_{self.rank:05d}.json",
+                {"rng": capture_rng_state(), "schedule": actor.schedule.state_dict(),
+                 "num_skipped_steps": actor.num_skipped_steps},
+            )
+            if self.rank == 0:
+                _write_json_atomic(tmp / "state.json", {"step": step, **(state or {})})
+                save_file({k: v.contiguous() for k, v in (tensors or {}).items()}, str(tmp / "tensors.safetensors"))
+        except OSError as error:
+            raise CheckpointError(f"writing checkpoint {final} failed: {error}; the previous checkpoint is intact") from error
+        self._barrier()
+        if self.rank == 0:
+            self._finish(tmp, final, step, metadata or {})
+        self._barrier()
+        return final
+
+    def _finish(self, tmp: Path, final: Path, step: int, metadata: dict[str, Any]) -> None:
+        try:
+            files = {}
+            for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                size = path.stat().st_size
+                entry: dict[str, Any] = {"size": size}
+                if size <= HASHED_FILE_LIMIT:
+                    entry["sha256"] = _sha256(path)
+                files[str(path.relative_to(tmp))] = entry
+            _write_json_atomic(tmp / "manifest.json", {"step": step, "world_size": self.world_size,
+                                                       "files": files, **metadata})
+            if final.exists():
+                shutil.rmtree(final)  # re-saving the same step (e.g. after a resume)
+            tmp.rename(final)
+            pointer = self.directory / "latest"
+            pointer_tmp = self.directory / "latest.tmp"
+            pointer_tmp.write_text(final.name + "\n")
+            pointer_tmp.replace(pointer)
+        except OSError as error:
+            raise CheckpointError(f"finishing checkpoint {final} failed: {error}; the previous checkpoint is intact") from error
+        for old in self.list_steps()[: -self.keep_last]:
+            shutil.rmtree(self.step_path(old), ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def verify(self, path: Path) -> None:
+        """Raise CheckpointError unless every file of the manifest is present and intact."""
+        manifest_path = path / "manifest.json"
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{manifest_path} is missing: the checkpoint was never completed") from None
+        except json.JSONDecodeError as error:
+            raise CheckpointError(f"{manifest_path} is corrupt: {error}") from None
+        for name, entry in manifest["files"].items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{file} is missing")
+            if file.stat().st_size != entry["size"]:
+                raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest says {entry['size']}")
+            if "sha256" in entry and _sha256(file) != entry["sha256"]:
+                raise CheckpointError(f"{file} does not match its sha256 in the manifest")
+
+    def newest_valid(self) -> Path | None:
+        """The newest checkpoint that verifies; invalid newer ones are reported and skipped."""
+        for step in reversed(self.list_steps()):
+            path = self.step_path(step)
+            try:
+                self.verify(path)
+                return path
+            except CheckpointError as error:
+                logger.error("checkpoint %s is unusable (%s); falling back to an older one", path, error)
+        return None
+
+    def load(self, path: Path, *, actor) -> LoadedCheckpoint:
+        """Restore weights, optimizer, schedule and RNG into ``actor``; return the run state."""
+        self.verify(path)
+        model_state = actor.module.sharded_state_dict()
+        loaded = dist_checkpointing.load(
+            {"model": model_state, "optimizer": actor.optimizer.sharded_state_dict(model_state, is_loading=True)},
+            str(path / "weights"),
+        )
+        actor.module.load_state_dict(loaded["model"])
+        actor.optimizer.load_state_dict(loaded["optimizer"])
+        manifest = json.loads((path / "manifest.json").read_text())
+        rank_file = path / "ranks" / f"rank_{self.rank:05d}.json"
+        if manifest["world_size"] == self.world_size and rank_file.is_file():
+            rank_state = json.loads(rank_file.read_text())
+            restore_rng_state(rank_state["rng"])
+        else:
+            # Another layout: per-rank RNG streams do not map onto the new ranks.
+            logger.warning("checkpoint %s was saved by %d ranks; RNG states not restored on %d ranks",
+                           path, manifest["world_size"], self.world_size)
+            rank_state = json.loads((path / "ranks" / "rank_00000.json").read_text())
+        actor.schedule.load_state_dict(rank_state["schedule"])
+        actor.num_skipped_steps = rank_state["num_skipped_steps"]
+        state = json.loads((path / "state.json").read_text())
+        tensors = load_file(str(path / "tensors.safetensors"))
+        return LoadedCheckpoint(path=path, step=int(state.pop("step")), state=state, tensors=tensors)
