@@ -1,0 +1,35 @@
+"""Model architecture and the megatron ``GPTModel`` factory.
+
+* ``spec``: ``ModelSpec`` (Llama/Qwen2 architecture) <-> Hugging Face ``config.json``.
+* ``layer_spec``: ``select_layer_spec`` (Transformer Engine/FP8 or megatron's local
+  modules), ``LayerSpecChoice``, ``FP8Options``.
+* ``factory``: ``build_transformer_config``, ``build_gpt_model``.
+* ``sharding``: ``shard_full_state_dict`` (a full state dict -> one TP/PP rank's shard).
+
+Only ``ModelSpec`` is imported eagerly; the rest import megatron-core (seconds)
+and load on first attribute access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pipeline.models.spec import ModelSpec
+
+_LAZY_EXPORTS = {
+    "FP8Options": "pipeline.models.layer_spec",
+    "LayerSpecChoice": "pipeline.models.layer_spec",
+    "select_layer_spec": "pipeline.models.layer_spec",
+    "build_gpt_model": "pipeline.models.factory",
+    "build_transformer_config": "pipeline.models.factory",
+    "shard_full_state_dict": "pipeline.models.sharding",
+}
+
+__all__ = ["ModelSpec", *_LAZY_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_EXPORTS:
+        raise AttributeError(f"module 'pipeline.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)

@@ -1,0 +1,261 @@
+"""Build megatron-core ``TransformerConfig`` and ``GPTModel`` for a ``ModelSpec``.
+
+Two steps, kept apart so the trainer can inspect or adjust the config before
+any parameter is allocated:
+
+1. ``build_transformer_config(spec, choice=..., ...)``: the Llama/Qwen2
+   architecture (RMSNorm, SwiGLU via ``gated_linear_unit`` + ``F.silu``, GQA,
+   optional q/k/v bias, no other biases, no dropout) plus parallel sizes,
+   dtype, FP8 fields and kernel fusions for the chosen layer implementation.
+2. ``build_gpt_model(spec, parallel_context=..., ...)``: the ``GPTModel`` with
+   RoPE (``rotary_base = rope_theta``; Llama-3 scaling through megatron's
+   ``rope_scaling``/``rope_scaling_factor``) and, for tied embeddings,
+   ``share_embeddings_and_output_weights``. Logits stay vocab-parallel
+   (``parallel_output=True``): losses combine them through a TP reducer.
+
+Fusions. With Transformer Engine on CUDA the fusions Megatron-LM enables by
+default are on. Without CUDA all are off (``CPU_DISABLED_FUSIONS`` says why
+for each); measured on megatron-core 0.16.1.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from pipeline.models.layer_spec import (
+    FP8Options,
+    LayerSpecChoice,
+    final_norm_module,
+    select_layer_spec,
+)
+from pipeline.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from pipeline.parallel.context import ParallelContext
+
+__all__ = ["CPU_DISABLED_FUSIONS", "build_gpt_model", "build_transformer_config"]
+
+_COMPILED = (
+    "wrapped in torch.compile (megatron.core.jit.jit_fuser): seconds of inductor compile "
+    "per process on CPU for no speed-up"
+)
+CPU_DISABLED_FUSIONS: dict[str, str] = {
+    "gradient_accumulation_fusion": "needs the fused_weight_gradient_mlp_cuda kernel (APEX or TE)",
+    "persist_layer_norm": "needs APEX's persistent LayerNorm kernel; torch norms assert it is off",
+    "apply_rope_fusion": "needs TE/APEX fused RoPE kernels",
+    "masked_softmax_fusion": "CUDA-only kernel; megatron falls back to torch on CPU anyway",
+    "bias_activation_fusion": _COMPILED,
+    "bias_dropout_fusion": _COMPILED,
+}
+
+# Megatron-LM's training defaults; TE provides every kernel these need.
+_TE_FUSIONS: dict[str, bool] = {
+    "gradient_accumulation_fusion": True,
+    "apply_rope_fusion": True,
+    "masked_softmax_fusion": True,
+    "bias_activation_fusion": True,
+    "bias_dropout_fusion": True,
+}
+
+# Local modules on CUDA without TE/APEX: only fusions that are torch.compile'd or
+# have a torch fallback.
+_LOCAL_CUDA_FUSIONS: dict[str, bool] = {
+    "masked_softmax_fusion": True,
+    "bias_activation_fusion": True,
+    "bias_dropout_fusion": True,
+}
+
+_DTYPE_FLAGS: dict[torch.dtype, dict[str, bool]] = {
+    torch.float32: {},
+    torch.bfloat16: {"bf16": True},
+    torch.float16: {"fp16": True},
+}
+
+
+def build_transformer_config(
+    spec: ModelSpec,
+    *,
+    choice: LayerSpecChoice,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    fp8: FP8Options | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> TransformerConfig:
+    """The ``TransformerConfig`` for ``spec`` under the given layout and layer implementation.
+
+    ``overrides`` sets any further ``TransformerConfig`` field (recomputation,
+    ``variable_seq_lengths``...); it is applied last, and an unknown name is a
+    ``ValueError``.
+    """
+    if spec.num_layers % pipeline_parallel:
+        raise ValueError(
+            f"num_layers: {spec.num_layers} is not divisible by pipeline_parallel={pipeline_parallel}"
+        )
+    for name, count in (
+        ("num_attention_heads", spec.num_attention_heads),
+        ("num_query_groups", spec.num_query_groups),
+        ("ffn_hidden_size", spec.ffn_hidden_size),
+    ):
+        if count % tensor_parallel:
+            raise ValueError(f"{name}: {count} is not divisible by tensor_parallel={tensor_parallel}")
+    if params_dtype not in _DTYPE_FLAGS:
+        raise ValueError(f"params_dtype: expected one of {sorted(map(str, _DTYPE_FLAGS))}, got {params_dtype}")
+    if sequence_parallel and choice.name != "te":
+        raise ValueError(
+            "sequence_parallel: not supported by the local layer spec (torch norms assert it is off)"
+        )
+    fp8 = fp8 or FP8Options()
+    if fp8.enabled and choice.name != "te":
+        raise ValueError("fp8.enabled: FP8 needs the Transformer Engine layer spec")
+
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        fusions = dict.fromkeys(CPU_DISABLED_FUSIONS, False)
+    elif choice.name == "te":
+        fusions = dict(_TE_FUSIONS)
+    else:
+        fusions = dict.fromkeys(CPU_DISABLED_FUSIONS, False) | _LOCAL_CUDA_FUSIONS
+
+    fields: dict[str, Any] = {
+        "num_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "ffn_hidden_size": spec.ffn_hidden_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_query_groups": spec.num_query_groups,
+        "kv_channels": spec.kv_channels,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": spec.norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": spec.qkv_bias,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "tensor_model_parallel_size": tensor_parallel,
+        "pipeline_model_parallel_size": pipeline_parallel,
+        "context_parallel_size": context_parallel,
+        "sequence_parallel": sequence_parallel,
+        "params_dtype": params_dtype,
+        "pipeline_dtype": params_dtype,
+        **_DTYPE_FLAGS[params_dtype],
+        # Without CUDA every weight is initialized on the CPU anyway; on CPU this also
+        # makes TP shards slices of one master weight, so TP=1 and TP=2 agree exactly.
+        "use_cpu_initialization": not has_cuda,
+        **fusions,
+        **fp8.transformer_config_fields(),
+    }
+    for name, value in (overrides or {}).items():
+        if name not in TransformerConfig.__dataclass_fields__:
+            raise ValueError(f"overrides.{name}: not a TransformerConfig field")
+        fields[name] = value
+    if not fields.get("perform_initialization", True):
+        # megatron-core 0.16.1 marks tensor-parallel weights (tensor_model_parallel,
+        # partition_dim, partition_stride) only inside its weight initializers, so
+        # skipping initialization leaves them unmarked: grad norms then drop them on
+        # TP ranks > 0 and shard_full_state_dict cannot slice them.
+        raise ValueError(
+            "overrides.perform_initialization: False leaves tensor-parallel weights unmarked "
+            "in megatron-core; initialize, then load the checkpoint over it"
+        )
+    return TransformerConfig(**fields)
+
+
+def build_gpt_model(
+    spec: ModelSpec,
+    *,
+    parallel_context: ParallelContext | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+    fp8: FP8Options | None = None,
+    layer_spec: tuple[ModuleSpec, LayerSpecChoice] | None = None,
+    sequence_parallel: bool = False,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> GPTModel:
+    """A megatron ``GPTModel`` for ``spec`` on this rank's pipeline stage and TP shard.
+
+    ``parallel_context`` supplies the layout and pipeline position; without it
+    the model is built for TP = PP = CP = 1 (megatron's ``parallel_state``
+    must still be initialized, e.g. by a one-rank ``ParallelContext``).
+    ``pre_process``/``post_process`` override the pipeline position (embedding
+    on the first stage, final norm and output layer on the last).
+    ``layer_spec`` is a ``select_layer_spec`` result; pass the one whose
+    ``LayerSpecChoice`` you record in the checkpoint. By default
+    ``select_layer_spec(spec, fp8=fp8)`` is called. ``seed`` re-seeds the
+    initialization RNGs first (the CPU generator, and megatron's CUDA RNG
+    tracker when a context is given), making initialization reproducible.
+    """
+    layout = {"tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1}
+    pp_rank = 0
+    if parallel_context is not None:
+        layout = {
+            "tensor_parallel": parallel_context.tensor_parallel,
+            "pipeline_parallel": parallel_context.pipeline_parallel,
+            "context_parallel": parallel_context.context_parallel,
+        }
+        pp_rank = parallel_context.pp_rank
+        pre_process = parallel_context.is_pipeline_first if pre_process is None else pre_process
+        post_process = parallel_context.is_pipeline_last if post_process is None else post_process
+    pre_process = True if pre_process is None else pre_process
+    post_process = True if post_process is None else post_process
+    if spec.vocab_size % layout["tensor_parallel"]:
+        raise ValueError(
+            f"vocab_size: {spec.vocab_size} is not divisible by tensor_parallel="
+            f"{layout['tensor_parallel']}; pad the vocabulary first"
+        )
+
+    layer, choice = layer_spec if layer_spec is not None else select_layer_spec(spec, fp8=fp8)
+    config = build_transformer_config(
+        spec,
+        choice=choice,
+        **layout,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        fp8=fp8,
+        overrides=config_overrides,
+    )
+    # An explicit block spec: megatron would otherwise pick TE's final norm whenever
+    # TE is installed, even for local layers.
+    block = TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, pp_rank=pp_rank),
+        layer_norm=final_norm_module(choice),
+    )
+    if seed is not None:
+        if parallel_context is not None:
+            parallel_context.reseed(seed)
+        else:
+            torch.manual_seed(seed)
+    # Llama-3 scaling: megatron takes only the factor (the other three values are
+    # fixed in megatron-core 0.16.1 and checked by ModelSpec).
+    rope_scaling = (
+        {"rope_scaling": True, "rope_scaling_factor": spec.rope_scaling["factor"]}
+        if spec.rope_scaling is not None
+        else {}
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+        **rope_scaling,
+    )
