@@ -41,6 +41,7 @@ from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, 
 from pipeline.algorithms.logprobs import token_logprobs_and_entropy
 from pipeline.config import OptimConfig, TrainerConfig
 from pipeline.models.factory import build_gpt_model
+from pipeline.models.layer_spec import select_layer_spec
 from pipeline.models.sharding import shard_full_state_dict
 from pipeline.models.spec import ModelSpec
 from pipeline.parallel.context import ParallelContext
@@ -100,7 +101,11 @@ class Actor:
         self.context = context
         self.trainer = trainer
         self.optim = optim
-        model = build_gpt_model(spec, parallel_context=context, seed=seed)
+        layer_spec, self.layer_spec_choice = select_layer_spec(spec)
+        model = build_gpt_model(
+            spec, parallel_context=context, seed=seed, layer_spec=(layer_spec, self.layer_spec_choice)
+        )
+        logger.info("actor layer spec: %s (%s)", self.layer_spec_choice.name, self.layer_spec_choice.reason)
         if context.is_pipeline_last:
             _pass_through_output_layer(model.output_layer)
         # Grad sync and the tied-embedding all-reduce happen once per step in finalize.
@@ -221,6 +226,16 @@ class Actor:
         return micros, outputs, collected
 
     # ------------------------------------------------------------------ public API
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        """What a checkpoint must record to be rebuilt and converted without the run's config."""
+        return {
+            "model_spec": self.spec.to_dict(),
+            "layer_spec": self.layer_spec_choice.to_dict(),
+            "layout": {"tensor_parallel": self.context.tensor_parallel,
+                       "pipeline_parallel": self.context.pipeline_parallel,
+                       "data_parallel": self.context.data_parallel},
+        }
+
     def load_full_state_dict(self, full_state_dict: dict[str, torch.Tensor]) -> None:
         """Load unsplit (TP=1, PP=1) megatron weights; this rank keeps its own shard."""
         local = shard_full_state_dict(

@@ -172,7 +172,7 @@ class CheckpointManager:
             raise CheckpointError(f"writing checkpoint {final} failed: {error}; the previous checkpoint is intact") from error
         self._barrier()
         if self.rank == 0:
-            self._finish(tmp, final, step, metadata or {})
+            self._finish(tmp, final, step, {**actor.checkpoint_metadata(), **(metadata or {})})
         self._barrier()
         return final
 
