@@ -1,0 +1,875 @@
+"""``SGLangEngine``: rollouts from SGLang servers over HTTP, with failover that never loses a sample.
+
+Servers are either launched here (``SGLangEngine.launch``: ``python -m
+sglang.launch_server`` per ``SGLangServerSpec``, loopback by default, logs to files,
+killed with their process group on ``close``) or attached to by base URL. Either way
+the engine first waits for every server's ``/health`` to answer 200, with a deadline.
+
+One ``generate`` call:
+
+* Every requested sample is a key ``(request index, sample index)``; the samples of a
+  prompt are cut into work items of at most ``max_samples_per_request``, each sent as
+  one batch ``/generate`` call (``sglang_api.generate_body``).
+* At most ``max_in_flight`` calls run at once (``max_in_flight_per_server`` per
+  server). A work item goes to the live, not-backing-off server with the fewest calls
+  in flight, ties broken round-robin, avoiding the server it last failed on when
+  another one is free.
+* An attempt fails on a connection error, no answer within ``request_timeout_s``
+  (the whole call, so a server that trickles bytes cannot stall it), HTTP 5xx / 429 /
+  408, or a 200 whose body breaks the response contract. The server then backs off
+  exponentially (``backoff_initial_s · 2^(k−1)``, capped at ``backoff_max_s``) and is
+  dropped for good after ``max_consecutive_failures`` failures in a row. The item goes
+  back to the front of the queue; after ``max_attempts`` failures of its own it raises
+  ``RolloutError``. An HTTP 4xx (other than 408/429) means the request itself is bad:
+  ``RolloutError`` at once, naming the prompt and the server's message.
+* When a server is dropped, every attempt still in flight on it is *abandoned*: its
+  work item is re-queued at once and its task cancelled; should its result arrive
+  anyway it is discarded. Results are stored under their sample keys, each key
+  exactly once, so no sample is lost or duplicated whatever fails when.
+* A watchdog probes ``/health`` of every server with calls in flight every
+  ``watchdog_interval_s``; failed probes count as failures, so a hung server is
+  dropped within seconds instead of after ``request_timeout_s`` (which must be long
+  enough for a full reasoning-length generation).
+* No live server left, or the optional ``batch_timeout_s`` passed: ``RolloutError``.
+  The batch never hangs: every wait above is bounded.
+
+Transport: asyncio + ``httpx.AsyncClient``. One event loop holds hundreds of
+minutes-long ``/generate`` calls without a thread each; cancelling a task closes its
+connection, which SGLang takes as a client disconnect and aborts the request (freeing
+its KV cache); ``asyncio.wait_for`` bounds a whole call. ``httpx`` is a declared
+dependency of the pinned ``leptonai`` (``aiohttp`` comes only with the full SGLang
+install), and its per-call overhead is irrelevant next to seconds of generation.
+``trust_env=False``: a proxy from the environment must never sit between the trainer
+and its own servers.
+
+Weights: ``update_weights_from_disk`` (an HF export directory the servers can read),
+``update_weights_from_tensor`` (CUDA-IPC payloads, co-located servers) and
+``update_weights_from_distributed`` (NCCL broadcast after
+``init_weights_update_group``) go to every live server, label the weights with the
+new version, and are followed by ``/flush_cache`` so no prefix computed with the old
+weights is reused. A server that fails an update others passed is dropped (its weights
+are unknown); if every server fails, the version stays and ``RolloutError`` is raised.
+``release_memory_occupation`` / ``resume_memory_occupation`` free and restore GPU
+memory when the trainer shares the GPUs (servers need ``enable_memory_saver``).
+
+The synchronous methods run their own event loop (``asyncio.run``); from async code
+use ``agenerate``. The engine is not thread-safe: one call at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
+
+import httpx
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.rollout import sglang_api as api
+from pipeline.rollout.types import (
+    Completion,
+    GenerationRequest,
+    RolloutError,
+    SamplingParams,
+    check_requests,
+)
+
+__all__ = ["SGLangClientConfig", "SGLangEngine", "SGLangServerProcess"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_LOG_TAIL_BYTES = 4000
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SGLangClientConfig:
+    """Client-side limits and timeouts (see the module docstring for how each is used)."""
+
+    max_in_flight: int = 256
+    max_in_flight_per_server: int = 128
+    max_samples_per_request: int = 8
+    request_timeout_s: float = 3600.0
+    connect_timeout_s: float = 10.0
+    max_attempts: int = 4
+    max_consecutive_failures: int = 3
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    batch_timeout_s: float | None = None
+    health_path: str = api.HEALTH_PATH
+    startup_timeout_s: float = 900.0
+    health_poll_s: float = 1.0
+    watchdog_interval_s: float | None = 30.0
+    probe_timeout_s: float = 20.0
+    admin_timeout_s: float = 900.0
+    api_key: str | None = None
+    show_progress: bool = True
+    progress_delay_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_in_flight", "max_in_flight_per_server", "max_samples_per_request", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SGLangClientConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_consecutive_failures < 1:
+            raise ValueError(f"max_consecutive_failures must be >= 1, got {self.max_consecutive_failures}")
+        timeouts = (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "startup_timeout_s",
+            "health_poll_s",
+            "probe_timeout_s",
+            "admin_timeout_s",
+        )
+        for name in timeouts:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SGLangClientConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.backoff_initial_s < 0 or self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("need 0 <= backoff_initial_s <= backoff_max_s")
+        if self.watchdog_interval_s is not None and not self.watchdog_interval_s > 0:
+            raise ValueError(f"watchdog_interval_s must be > 0 or None, got {self.watchdog_interval_s}")
+        if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
+            raise ValueError(f"batch_timeout_s must be > 0 or None, got {self.batch_timeout_s}")
+
+
+class _ServerFault(Exception):
+    """The server failed (unreachable, hung, 5xx, garbage): the work may succeed elsewhere."""
+
+
+class _Rejected(Exception):
+    """HTTP 4xx: the server refused the request itself; resending it elsewhere cannot help."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}: {text}")
+        self.status = status
+        self.text = text
+
+
+@dataclass(eq=False)
+class _Server:
+    url: str
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    available_at: float = 0.0  # time.monotonic() before which it gets no new work (backoff)
+    dead: bool = False
+    dead_reason: str = ""
+
+
+@dataclass(eq=False)
+class _Work:
+    request_index: int
+    sample_indices: tuple[int, ...]
+    seeds: tuple[int, ...]
+    failures: int = 0
+    avoid: _Server | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Attempt:
+    work: _Work
+    server: _Server
+    abandoned: bool = False
+
+
+def _error_text(response: httpx.Response) -> str:
+    text = response.text
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return text[:500]
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])[:500]
+        for key in ("error", "message"):
+            if isinstance(payload.get(key), str):
+                return payload[key][:500]
+    return text[:500]
+
+
+async def _request(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    *,
+    body: Any = None,
+    timeout_s: float,
+    retry_statuses: frozenset[int] = frozenset(),
+) -> httpx.Response:
+    """One HTTP call bounded end to end; failures are classified as ``_ServerFault`` or ``_Rejected``."""
+    try:
+        response = await asyncio.wait_for(client.request(method, url, json=body), timeout_s)
+    except TimeoutError as error:
+        raise _ServerFault(f"no answer from {url} within {timeout_s:g}s") from error
+    except httpx.HTTPError as error:
+        raise _ServerFault(f"{url}: {type(error).__name__}: {error}") from error
+    status = response.status_code
+    if status >= 500 or status in (408, 429) or status in retry_statuses:
+        raise _ServerFault(f"{url}: HTTP {status}: {_error_text(response)}")
+    if status >= 400:
+        raise _Rejected(status, _error_text(response))
+    return response
+
+
+def _json(response: httpx.Response) -> Any:
+    try:
+        return json.loads(response.content)
+    except ValueError as error:
+        raise _ServerFault(f"{response.request.url}: malformed JSON ({error})") from error
+
+
+def _run_sync(coroutine: Coroutine[Any, Any, _T]) -> _T:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    coroutine.close()
+    raise RuntimeError("SGLangEngine's synchronous methods cannot run inside an event loop; await agenerate() instead")
+
+
+class SGLangServerProcess:
+    """A launched ``sglang.launch_server`` process group, logging to ``log_path``."""
+
+    def __init__(self, spec: api.SGLangServerSpec, *, log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.command = api.launch_command(spec)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            # A session of its own, so close() reaches the scheduler/detokenizer children too.
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+            )
+
+    @property
+    def base_url(self) -> str:
+        return self.spec.base_url
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def log_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(0, os.SEEK_END)
+                log.seek(max(0, log.tell() - _LOG_TAIL_BYTES))
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def terminate(self, *, grace_s: float = 30.0) -> None:
+        """SIGTERM the process group, then SIGKILL whatever is left after ``grace_s``."""
+        if self.process.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+class SGLangEngine:
+    """``RolloutEngine`` over SGLang HTTP servers; see the module docstring.
+
+    ``base_urls`` are ``http://host:port`` of running servers. ``weight_version`` is the
+    version of the weights they serve now (what ``"default"`` means in their answers).
+    The constructor does not contact the servers: use ``attach`` / ``launch``, or call
+    ``wait_until_healthy``.
+    """
+
+    def __init__(
+        self,
+        base_urls: Sequence[str],
+        *,
+        config: SGLangClientConfig = SGLangClientConfig(),
+        weight_version: int = 0,
+        processes: Sequence[SGLangServerProcess] = (),
+    ) -> None:
+        urls = [url.rstrip("/") for url in base_urls]
+        if not urls:
+            raise ValueError("SGLangEngine needs at least one server URL")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"duplicate server URLs in {urls}")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"server URL {url!r} must start with http:// or https://")
+        self.config = config
+        self._servers = [_Server(url=url) for url in urls]
+        self._processes = list(processes)
+        self._initial_version = int(weight_version)
+        self._weight_version = int(weight_version)
+        self._memory_released = False
+        self._next_server = 0
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @classmethod
+    def attach(
+        cls, base_urls: Sequence[str], *, config: SGLangClientConfig = SGLangClientConfig(), weight_version: int = 0
+    ) -> SGLangEngine:
+        """Connect to running servers and wait until every one is healthy."""
+        engine = cls(base_urls, config=config, weight_version=weight_version)
+        engine.wait_until_healthy()
+        return engine
+
+    @classmethod
+    def launch(
+        cls,
+        specs: Sequence[api.SGLangServerSpec],
+        *,
+        log_dir: str | os.PathLike[str],
+        config: SGLangClientConfig = SGLangClientConfig(),
+        env: dict[str, str] | None = None,
+    ) -> SGLangEngine:
+        """Start one server per spec (all with one ``weight_version``) and wait until all are healthy."""
+        if not specs:
+            raise ValueError("launch needs at least one SGLangServerSpec")
+        versions = {spec.weight_version for spec in specs}
+        if len(versions) != 1:
+            raise ValueError(f"all servers must start with one weight_version, got {sorted(versions)}")
+        processes: list[SGLangServerProcess] = []
+        try:
+            for index, spec in enumerate(specs):
+                log_path = Path(log_dir) / f"sglang-{index}-port{spec.port}.log"
+                processes.append(SGLangServerProcess(spec, log_path=log_path, env=env))
+            engine = cls(
+                [p.base_url for p in processes], config=config, weight_version=versions.pop(), processes=processes
+            )
+            engine.wait_until_healthy()
+        except BaseException:
+            for process in processes:
+                process.terminate(grace_s=5.0)
+            raise
+        return engine
+
+    def close(self) -> None:
+        """Stop the servers this engine launched (attached servers are left running)."""
+        for process in self._processes:
+            process.terminate()
+        self._processes = []
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def live_servers(self) -> list[str]:
+        return [s.url for s in self._servers if not s.dead]
+
+    @property
+    def dead_servers(self) -> dict[str, str]:
+        """URL → why it was dropped."""
+        return {s.url: s.dead_reason for s in self._servers if s.dead}
+
+    def _live(self) -> list[_Server]:
+        return [s for s in self._servers if not s.dead]
+
+    def _client(self) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+        connections = self.config.max_in_flight + 4 * len(self._servers)
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=self.config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            headers=headers,
+            trust_env=False,
+        )
+
+    def _drop(self, server: _Server, reason: str) -> None:
+        if not server.dead:
+            server.dead = True
+            server.dead_reason = reason
+            logger.warning("dropping SGLang server %s: %s", server.url, reason)
+
+    async def _probe(self, client: httpx.AsyncClient, server: _Server, *, timeout_s: float) -> str | None:
+        """None if ``/health`` answers 200 within ``timeout_s``, else why not."""
+        try:
+            await _request(client, "GET", server.url + self.config.health_path, timeout_s=timeout_s)
+        except (_ServerFault, _Rejected) as error:
+            return str(error)
+        return None
+
+    def wait_until_healthy(self, timeout_s: float | None = None) -> None:
+        """Block until every live server's ``/health`` is 200.
+
+        ``RolloutError`` at the deadline, or as soon as a server this engine launched exits.
+        """
+        _run_sync(self._wait_until_healthy(self.config.startup_timeout_s if timeout_s is None else timeout_s))
+
+    async def _wait_until_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        processes = {p.base_url.rstrip("/"): p for p in self._processes}
+        waiting = self._live()
+        last_error: dict[str, str] = {}
+        async with self._client() as client:
+            while waiting:
+                for server in waiting:
+                    process = processes.get(server.url)
+                    if process is not None and process.exit_code() is not None:
+                        raise RolloutError(
+                            f"SGLang server {server.url} exited with code {process.exit_code()} before becoming "
+                            f"healthy; command: {' '.join(process.command)}; "
+                            f"log {process.log_path}:\n{process.log_tail()}"
+                        )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    details = "; ".join(f"{s.url}: {last_error.get(s.url, 'no answer')}" for s in waiting)
+                    raise RolloutError(f"SGLang servers not healthy within {timeout_s:g}s: {details}")
+                probe_s = min(self.config.probe_timeout_s, remaining)
+                errors = await asyncio.gather(*(self._probe(client, s, timeout_s=probe_s) for s in waiting))
+                for server, error in zip(waiting, errors):
+                    if error is not None:
+                        last_error[server.url] = error
+                waiting = [s for s, error in zip(waiting, errors) if error is not None]
+                if waiting:
+                    await asyncio.sleep(min(self.config.health_poll_s, max(0.0, deadline - time.monotonic())))
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Completion]:
+        """One ``Completion`` per requested sample, ordered by request then sample index."""
+        return _run_sync(self.agenerate(requests, params))
+
+    async def agenerate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Completion]:
+        total = check_requests(requests)
+        if self._memory_released:
+            raise RolloutError("server memory is released; call resume_memory_occupation() before generating")
+        if total == 0:
+            return []
+        base_seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        chunk = self.config.max_samples_per_request
+        works = []
+        for r, request in enumerate(requests):
+            for start in range(0, request.num_samples, chunk):
+                samples = tuple(range(start, min(start + chunk, request.num_samples)))
+                seeds = tuple(api.sample_seed(base_seed, request.prompt_id, s) for s in samples)
+                works.append(_Work(request_index=r, sample_indices=samples, seeds=seeds))
+        with tqdm(
+            total=total,
+            desc="rollout",
+            unit="sample",
+            disable=not self.config.show_progress,
+            delay=self.config.progress_delay_s,
+            leave=False,
+        ) as bar:
+            async with self._client() as client:
+                batch = _Batch(self, client=client, requests=requests, params=params, bar=bar)
+                results = await batch.run(works)
+        assert len(results) == total, (len(results), total)
+        completions = []
+        for r, request in enumerate(requests):
+            for s in range(request.num_samples):
+                out = results[(r, s)]
+                completions.append(
+                    Completion(
+                        prompt_id=request.prompt_id,
+                        sample_index=s,
+                        token_ids=torch.tensor(out.token_ids, dtype=torch.long),
+                        logprobs=torch.tensor(out.logprobs, dtype=torch.float32),
+                        finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                        weight_version=out.weight_version,
+                    )
+                )
+        return completions
+
+    # ------------------------------------------------------------ admin endpoints
+
+    async def _admin_one(
+        self,
+        client: httpx.AsyncClient,
+        server: _Server,
+        path: str,
+        body: Any,
+        *,
+        retry_statuses: frozenset[int],
+    ) -> httpx.Response:
+        """POST with retries and backoff on server faults; the last fault or a rejection propagates."""
+        cfg = self.config
+        for attempt in range(1, cfg.max_attempts + 1):
+            try:
+                return await _request(
+                    client, "POST", server.url + path, body=body, timeout_s=cfg.admin_timeout_s,
+                    retry_statuses=retry_statuses,
+                )
+            except _ServerFault:
+                if attempt == cfg.max_attempts:
+                    raise
+                await asyncio.sleep(min(cfg.backoff_initial_s * 2 ** (attempt - 1), cfg.backoff_max_s))
+        raise AssertionError("unreachable")
+
+    async def _admin_all(
+        self,
+        path: str,
+        body_for: Callable[[int, _Server], Any],
+        *,
+        servers: Sequence[_Server] | None = None,
+        retry_statuses: frozenset[int] = frozenset(),
+    ) -> list[tuple[_Server, httpx.Response | Exception]]:
+        targets = self._live() if servers is None else list(servers)
+        if not targets:
+            raise RolloutError(f"no live SGLang server for {path}; dropped: {self.dead_servers}")
+        async with self._client() as client:
+            outcomes = await asyncio.gather(
+                *(
+                    self._admin_one(client, s, path, body_for(i, s), retry_statuses=retry_statuses)
+                    for i, s in enumerate(targets)
+                ),
+                return_exceptions=True,
+            )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, (_ServerFault, _Rejected)):
+                raise outcome
+        return list(zip(targets, outcomes))  # type: ignore[arg-type]
+
+    async def _update_all(self, path: str, body_for: Callable[[int, _Server], Any], *, version: int) -> None:
+        succeeded: list[_Server] = []
+        failed: list[tuple[_Server, str]] = []
+        for server, outcome in await self._admin_all(path, body_for):
+            if isinstance(outcome, Exception):
+                failed.append((server, str(outcome)))
+                continue
+            try:
+                success, message = api.parse_update_response(_json(outcome))
+            except (api.MalformedResponse, _ServerFault) as error:
+                failed.append((server, str(error)))
+                continue
+            if success:
+                succeeded.append(server)
+            else:
+                failed.append((server, message))
+        if not succeeded:
+            details = "; ".join(f"{s.url}: {why}" for s, why in failed)
+            raise RolloutError(f"{path} to version {version} failed on every server (version unchanged): {details}")
+        for server, why in failed:
+            self._drop(server, f"{path} to version {version} failed while others succeeded: {why}")
+        # SGLang refuses /flush_cache (HTTP 400) while requests run; that is worth retrying.
+        for server, outcome in await self._admin_all(
+            api.FLUSH_CACHE_PATH, lambda i, s: None, servers=succeeded, retry_statuses=frozenset({400})
+        ):
+            if isinstance(outcome, Exception):
+                self._drop(server, f"/flush_cache after the update to version {version} failed: {outcome}")
+        if not self._live():
+            raise RolloutError(f"no SGLang server left after updating to version {version}: {self.dead_servers}")
+        self._weight_version = version
+
+    def _check_version(self, version: int) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version <= self._weight_version:
+            raise ValueError(
+                f"version must be an int > the current weight version {self._weight_version}, got {version!r}"
+            )
+
+    def update_weights_from_disk(self, model_path: str, *, version: int, load_format: str | None = None) -> None:
+        """Load an HF export directory (readable by every server) and label it ``version``."""
+        self._check_version(version)
+        body = api.update_weights_from_disk_body(model_path, version=version, load_format=load_format)
+        _run_sync(self._update_all(api.UPDATE_FROM_DISK_PATH, lambda i, s: body, version=version))
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str | bytes],
+        *,
+        version: int,
+        load_format: str | None = None,
+    ) -> None:
+        """Send CUDA-IPC tensor payloads (one per TP rank) to every live, co-located server."""
+        self._check_version(version)
+        body = api.update_weights_from_tensor_body(serialized_named_tensors, version=version, load_format=load_format)
+        _run_sync(self._update_all(api.UPDATE_FROM_TENSOR_PATH, lambda i, s: body, version=version))
+
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        ranks_per_server: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """Make every live server join the trainer's broadcast group (trainer = rank 0).
+
+        Live server ``i`` takes ranks ``1 + i·ranks_per_server …``; ``world_size`` must be
+        ``1 + num_live·ranks_per_server``. The servers answer only once the trainer has
+        joined too, so call this from a thread while rank 0 runs ``init_process_group``.
+        """
+        live = self._live()
+        if world_size != 1 + len(live) * ranks_per_server:
+            raise ValueError(
+                f"world_size {world_size} != 1 + {len(live)} live servers x {ranks_per_server} ranks per server"
+            )
+
+        def body_for(index: int, server: _Server) -> dict[str, Any]:
+            return api.init_weights_update_group_body(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=1 + index * ranks_per_server,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+            )
+
+        async def run() -> None:
+            failures = []
+            for server, outcome in await self._admin_all(api.INIT_UPDATE_GROUP_PATH, body_for, servers=live):
+                if isinstance(outcome, Exception):
+                    failures.append(f"{server.url}: {outcome}")
+                    continue
+                try:
+                    success, message = api.parse_update_response(_json(outcome))
+                except (api.MalformedResponse, _ServerFault) as error:
+                    success, message = False, str(error)
+                if not success:
+                    failures.append(f"{server.url}: {message}")
+            if failures:
+                raise RolloutError(f"init_weights_update_group failed: {'; '.join(failures)}")
+
+        _run_sync(run())
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        *,
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        version: int,
+        group_name: str = "weight_update_group",
+    ) -> None:
+        """Announce tensors the trainer broadcasts in ``group_name`` (run it alongside the broadcast)."""
+        self._check_version(version)
+        body = api.update_weights_from_distributed_body(
+            names, dtypes=dtypes, shapes=shapes, version=version, group_name=group_name
+        )
+        _run_sync(self._update_all(api.UPDATE_FROM_DISTRIBUTED_PATH, lambda i, s: body, version=version))
+
+    def _memory(self, path: str, tags: Sequence[str] | None) -> None:
+        body = api.memory_occupation_body(tags)
+
+        async def run() -> None:
+            failures = [
+                f"{server.url}: {outcome}"
+                for server, outcome in await self._admin_all(path, lambda i, s: body)
+                if isinstance(outcome, Exception)
+            ]
+            if failures:
+                raise RolloutError(f"{path} failed: {'; '.join(failures)}")
+
+        _run_sync(run())
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Free the servers' GPU memory (weights and KV cache, or just ``tags``) for a co-located trainer."""
+        self._memory(api.RELEASE_MEMORY_PATH, tags)
+        self._memory_released = True
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what ``release_memory_occupation`` freed; generation is allowed again."""
+        self._memory(api.RESUME_MEMORY_PATH, tags)
+        self._memory_released = False
+
+
+class _Batch:
+    """The state of one ``agenerate`` call: queue, in-flight attempts, results."""
+
+    def __init__(
+        self,
+        engine: SGLangEngine,
+        *,
+        client: httpx.AsyncClient,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        bar: tqdm,
+    ) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.client = client
+        self.requests = requests
+        self.params = params
+        self.bar = bar
+        self.pending: deque[_Work] = deque()
+        self.tasks: dict[asyncio.Task[list[api.SampleOutput]], _Attempt] = {}
+        self.results: dict[tuple[int, int], api.SampleOutput] = {}
+
+    async def run(self, works: list[_Work]) -> dict[tuple[int, int], api.SampleOutput]:
+        cfg = self.config
+        self.pending.extend(works)
+        deadline = None if cfg.batch_timeout_s is None else time.monotonic() + cfg.batch_timeout_s
+        watchdog = asyncio.create_task(self._watchdog()) if cfg.watchdog_interval_s is not None else None
+        try:
+            while self.pending or self.tasks:
+                self._start_attempts()
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise RolloutError(
+                        f"batch_timeout_s={cfg.batch_timeout_s:g} passed with {len(self.results)} of "
+                        f"{sum(len(w.sample_indices) for w in works)} samples done"
+                    )
+                live = self.engine._live()
+                if not live:
+                    raise RolloutError(f"no SGLang server left; dropped: {self.engine.dead_servers}")
+                # Wake when a backing-off server can take queued work again, or at the deadline.
+                wake_at = [s.available_at for s in live if s.available_at > now] if self.pending else []
+                if deadline is not None:
+                    wake_at.append(deadline)
+                timeout = max(0.0, min(wake_at) - now) if wake_at else None
+                if not self.tasks:
+                    # Only reachable while every live server backs off, so timeout is set.
+                    assert timeout is not None
+                    await asyncio.sleep(timeout)
+                    continue
+                done, _ = await asyncio.wait(self.tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    self._finish(task, self.tasks.pop(task))
+        finally:
+            leftovers = list(self.tasks) + ([watchdog] if watchdog is not None else [])
+            for task in leftovers:
+                task.cancel()
+            await asyncio.gather(*leftovers, return_exceptions=True)
+            for attempt in self.tasks.values():
+                attempt.server.in_flight -= 1
+            self.tasks.clear()
+        return self.results
+
+    def _pick_server(self, avoid: _Server | None) -> _Server | None:
+        now = time.monotonic()
+        servers = self.engine._servers
+        start = self.engine._next_server
+        rotation = servers[start:] + servers[:start]
+        ready = [
+            s
+            for s in rotation
+            if not s.dead and s.available_at <= now and s.in_flight < self.config.max_in_flight_per_server
+        ]
+        preferred = [s for s in ready if s is not avoid] or ready
+        if not preferred:
+            return None
+        server = min(preferred, key=lambda s: s.in_flight)  # first minimum in rotation order
+        self.engine._next_server = (servers.index(server) + 1) % len(servers)
+        return server
+
+    def _start_attempts(self) -> None:
+        while self.pending and len(self.tasks) < self.config.max_in_flight:
+            work = self.pending[0]
+            server = self._pick_server(work.avoid)
+            if server is None:
+                return
+            self.pending.popleft()
+            attempt = _Attempt(work=work, server=server)
+            server.in_flight += 1
+            self.tasks[asyncio.create_task(self._attempt(attempt))] = attempt
+
+    async def _attempt(self, attempt: _Attempt) -> list[api.SampleOutput]:
+        work = attempt.work
+        request = self.requests[work.request_index]
+        body = api.generate_body(request.prompt_token_ids, sampling_seeds=work.seeds, params=self.params)
+        response = await _request(
+            self.client, "POST", attempt.server.url + api.GENERATE_PATH, body=body,
+            timeout_s=self.config.request_timeout_s,
+        )
+        try:
+            outputs = api.parse_generate_response(
+                _json(response),
+                num_samples=len(work.seeds),
+                initial_version=self.engine._initial_version,
+                current_version=self.engine._weight_version,
+            )
+        except api.MalformedResponse as error:
+            raise _ServerFault(f"{attempt.server.url}: malformed /generate response: {error}") from error
+        stale = {o.weight_version for o in outputs} - {self.engine._weight_version}
+        if stale:
+            # Every update goes to every live server, so another version means the server
+            # missed one (e.g. it restarted): its samples would be silently off-policy.
+            raise _ServerFault(
+                f"{attempt.server.url} serves weight version {sorted(stale)}, expected {self.engine._weight_version}"
+            )
+        return outputs
+
+    def _finish(self, task: asyncio.Task[list[api.SampleOutput]], attempt: _Attempt) -> None:
+        server, work = attempt.server, attempt.work
+        server.in_flight -= 1
+        if attempt.abandoned:
+            if not task.cancelled():
+                task.exception()  # retrieved, so asyncio does not log it as lost
+            return  # its work was re-queued when the server was dropped; a late result is discarded
+        assert not task.cancelled(), "only abandoned attempts are cancelled"
+        error = task.exception()
+        if error is None:
+            server.consecutive_failures = 0
+            for sample_index, output in zip(work.sample_indices, task.result()):
+                key = (work.request_index, sample_index)
+                assert key not in self.results, f"sample {key} delivered twice"
+                self.results[key] = output
+            self.bar.update(len(work.sample_indices))
+            return
+        prompt_id = self.requests[work.request_index].prompt_id
+        if isinstance(error, _Rejected):
+            raise RolloutError(
+                f"{server.url} rejected /generate for prompt {prompt_id!r} (samples {list(work.sample_indices)}): "
+                f"{error}"
+            ) from error
+        if not isinstance(error, _ServerFault):
+            raise error
+        work.failures += 1
+        work.errors.append(str(error))
+        work.avoid = server
+        self._server_failed(server, str(error))
+        if work.failures >= self.config.max_attempts:
+            raise RolloutError(
+                f"prompt {prompt_id!r} samples {list(work.sample_indices)} failed {work.failures} times: "
+                + " | ".join(work.errors)
+            ) from error
+        self.pending.appendleft(work)
+
+    def _server_failed(self, server: _Server, reason: str) -> None:
+        cfg = self.config
+        server.consecutive_failures += 1
+        if server.consecutive_failures >= cfg.max_consecutive_failures:
+            self.engine._drop(server, f"{server.consecutive_failures} consecutive failures, last: {reason}")
+            self._abandon(server)
+            return
+        delay = min(cfg.backoff_initial_s * 2 ** (server.consecutive_failures - 1), cfg.backoff_max_s)
+        server.available_at = max(server.available_at, time.monotonic() + delay)
+
+    def _abandon(self, server: _Server) -> None:
+        """Re-queue every unfinished attempt on a dropped server and cancel it."""
+        for task, attempt in self.tasks.items():
+            if attempt.server is server and not attempt.abandoned:
+                attempt.abandoned = True
+                attempt.work.avoid = server
+                self.pending.appendleft(attempt.work)
+                task.cancel()
+
+    async def _watchdog(self) -> None:
+        cfg = self.config
+        assert cfg.watchdog_interval_s is not None
+        while True:
+            await asyncio.sleep(cfg.watchdog_interval_s)
+            busy = [s for s in self.engine._servers if not s.dead and s.in_flight > 0]
+            errors = await asyncio.gather(
+                *(self.engine._probe(self.client, s, timeout_s=cfg.probe_timeout_s) for s in busy)
+            )
+            for server, error in zip(busy, errors):
+                if error is not None and not server.dead:
+                    self._server_failed(server, f"health probe failed: {error}")

@@ -1,0 +1,293 @@
+"""A small fake SGLang server for failover tests: real HTTP on 127.0.0.1, deterministic fake tokens.
+
+Run as a subprocess (``python -m tests.rollout.fake_sglang --port-file F ...`` from the
+repository root) so a test can SIGKILL it mid-batch or SIGSTOP it (a hung process:
+the kernel still accepts connections, nothing ever answers). ``FakeServer`` starts one
+and waits until it listens.
+
+It keeps SGLang's contract on both sides: every ``/generate`` body goes through
+``GenerateRequest.from_json_value`` from SGLang's ``api_types.py`` (HTTP 400 with
+SGLang's message on a violation, as the real server does), weight-update bodies are
+decoded with the strict mirrors of io_struct's ``*ReqInput`` structs, and responses are
+built from ``api_types`` structs and encoded with SGLang's own ``to_json_value``.
+
+Tokens depend only on (prompt ids, ``sampling_seed``, weight version), so a test can
+recompute what any sample must be (``expected_sample``) whichever server produced it.
+
+Modes: ``ok``; ``http500`` (every /generate → 500); ``http400`` (every /generate → 400,
+as SGLang answers a request it refuses); ``malformed`` (200 with a body
+that is not JSON); ``hang_generate`` (/generate never answers, /health does);
+``die_after`` (``os._exit`` when the ``--die-after``-th /generate arrives, before answering).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FAKE_VOCAB = 1000
+MODES = ("ok", "http500", "http400", "malformed", "hang_generate", "die_after")
+
+
+def expected_sample(
+    prompt_ids: list[int], *, sampling_seed: int, weight_version: str, max_new_tokens: int, stop_token_ids: list[int]
+) -> tuple[list[int], list[float], str]:
+    """The fake model: ``(token_ids, logprobs, finish type)`` of one sample."""
+    rng = random.Random(f"{prompt_ids}|{sampling_seed}|{weight_version}")
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for _ in range(max_new_tokens):
+        token = rng.randrange(FAKE_VOCAB)
+        tokens.append(token)
+        logprobs.append(-round(rng.random() * 4.0, 6))
+        if token in stop_token_ids:
+            return tokens, logprobs, "stop"
+    return tokens, logprobs, "length"
+
+
+class _State:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from tests.rollout import sglang_schema
+
+        self.args = args
+        self.api = sglang_schema.api_types()
+        self.schema = sglang_schema
+        self.lock = threading.Lock()
+        self.weight_version = args.weight_version
+        self.num_generate = 0
+        self.log = open(args.log, "a") if args.log else None
+
+    def record(self, path: str, body: Any) -> None:
+        if self.log is not None:
+            with self.lock:
+                self.log.write(json.dumps({"path": path, "body": body, "pid": os.getpid()}) + "\n")
+                self.log.flush()
+
+
+def _generate(state: _State, body: Any) -> tuple[int, Any]:
+    api = state.api
+    try:
+        request = api.GenerateRequest.from_json_value(body)
+    except api.JsonContractError as error:
+        return 400, {"error": {"message": str(error), "type": "BadRequestError", "code": 400}}
+    if request.input_ids is None or not request.return_logprob:
+        return 400, {"error": {"message": "the fake server needs input_ids and return_logprob", "code": 400}}
+    batched = bool(request.input_ids) and isinstance(request.input_ids[0], list)
+    prompts = request.input_ids if batched else [request.input_ids]
+    params = request.sampling_params
+    if not isinstance(params, list):
+        params = [params or api.SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        return 400, {"error": {"message": "sampling_params and input_ids differ in length", "code": 400}}
+    results = []
+    for prompt, sampling in zip(prompts, params):
+        for copy in range(sampling.n or 1):
+            seed = sampling.sampling_seed if sampling.sampling_seed is not None else 42
+            tokens, logprobs, finish = expected_sample(
+                list(prompt),
+                sampling_seed=seed + copy,
+                weight_version=state.weight_version,
+                max_new_tokens=sampling.max_new_tokens,
+                stop_token_ids=list(sampling.stop_token_ids or []),
+            )
+            finish_reason = (
+                api.FinishStop(matched=tokens[-1]) if finish == "stop" else api.FinishLength(length=len(tokens))
+            )
+            response = api.GenerateResponse(
+                text="",
+                output_ids=tokens,
+                meta_info=api.GenerateMetaInfo(
+                    id=uuid.uuid4().hex,
+                    prompt_tokens=len(prompt),
+                    completion_tokens=len(tokens),
+                    finish_reason=finish_reason,
+                    output_token_logprobs=[api.LogprobEntry(logprob=lp, token_id=t) for lp, t in zip(logprobs, tokens)],
+                    weight_version=state.weight_version,
+                    e2e_latency=state.args.delay_s,
+                ),
+            )
+            results.append(response.to_json_value())
+    return 200, results if (batched or len(results) > 1) else results[0]
+
+
+_UPDATE_STRUCTS = {
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: ThreadingHTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+    @property
+    def state(self) -> _State:
+        return self.server.state  # type: ignore[attr-defined]
+
+    def _send(
+        self, status: int, payload: Any = None, *, raw: bytes | None = None, content_type: str = "application/json"
+    ) -> None:
+        data = raw if raw is not None else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path in ("/health", "/health_generate"):
+            self._send(200, raw=b"")
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        state = self.state
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw else None
+        state.record(self.path, body)
+        mode = state.args.mode
+        if self.path == "/generate":
+            with state.lock:
+                state.num_generate += 1
+                count = state.num_generate
+            if mode == "die_after" and count > state.args.die_after:
+                os._exit(3)
+            if mode == "hang_generate":
+                threading.Event().wait()
+            time.sleep(state.args.delay_s)
+            if mode == "http500":
+                self._send(500, {"error": {"message": "Internal Server Error"}})
+            elif mode == "http400":
+                message = "The input (4242 tokens) is longer than the model's context length"
+                self._send(400, {"error": {"message": message}})
+            elif mode == "malformed":
+                self._send(200, raw=b'{"text": "", "meta_info": {"finish_reason": ', content_type="application/json")
+            else:
+                status, payload = _generate(state, body)
+                self._send(status, payload)
+        elif self.path.startswith("/flush_cache"):
+            self._send(200, raw=b"Cache flushed.\n", content_type="text/plain")
+        elif self.path in _UPDATE_STRUCTS:
+            struct = state.schema.io_struct(_UPDATE_STRUCTS[self.path])
+            try:
+                decoded = msgspec.json.decode(raw or b"{}", type=struct)
+            except msgspec.ValidationError as error:
+                self._send(400, {"success": False, "message": f"contract: {error}"})
+                return
+            if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+                self._send(200, None)
+            elif state.args.fail_updates:
+                self._send(400, {"success": False, "message": "fake: refusing the update"})
+            else:
+                if getattr(decoded, "weight_version", None) is not None:
+                    state.weight_version = decoded.weight_version
+                self._send(200, {"success": True, "message": "Succeeded to update model weights."})
+        else:
+            self._send(404, {"detail": "Not Found"})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port-file", required=True)
+    parser.add_argument("--mode", choices=MODES, default="ok")
+    parser.add_argument("--delay-s", type=float, default=0.0)
+    parser.add_argument("--die-after", type=int, default=0)
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--fail-updates", action="store_true")
+    parser.add_argument("--log", default="")
+    args = parser.parse_args()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    server.state = _State(args)  # type: ignore[attr-defined]
+    port_file = Path(args.port_file)
+    port_file.with_suffix(".tmp").write_text(str(server.server_address[1]))
+    port_file.with_suffix(".tmp").rename(port_file)  # atomic: the parent never reads half a number
+    server.serve_forever()
+
+
+class FakeServer:
+    """A fake SGLang server in a subprocess; ``url`` is set by ``wait_ready``."""
+
+    def __init__(self, tmp_path: Path, name: str, *, mode: str = "ok", delay_s: float = 0.0, die_after: int = 0,
+                 weight_version: str = "default", fail_updates: bool = False) -> None:
+        self.port_file = tmp_path / f"{name}.port"
+        self.log_path = tmp_path / f"{name}.jsonl"
+        command = [
+            sys.executable, "-m", "tests.rollout.fake_sglang",
+            "--port-file", str(self.port_file),
+            "--mode", mode,
+            "--delay-s", str(delay_s),
+            "--die-after", str(die_after),
+            "--weight-version", weight_version,
+            "--log", str(self.log_path),
+        ] + (["--fail-updates"] if fail_updates else [])
+        self.name = name
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+        self.url = ""
+
+    def wait_ready(self, timeout_s: float = 30.0) -> FakeServer:
+        deadline = time.monotonic() + timeout_s
+        while not self.port_file.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"fake server {self.name} exited with {self.process.returncode}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"fake server {self.name} did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{int(self.port_file.read_text())}"
+        return self
+
+    def generate_bodies(self) -> list[dict[str, Any]]:
+        return [r["body"] for r in self.requests() if r["path"] == "/generate"]
+
+    def requests(self) -> list[dict[str, Any]]:
+        if not self.log_path.exists():
+            return []
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+
+    def stop(self) -> None:
+        """SIGSTOP: the process hangs; connections are still accepted by the kernel."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()  # SIGKILL also ends a stopped process
+        self.process.wait(timeout=10)
+
+
+
+def start_fake_servers(tmp_path: Path, configs: list[dict[str, Any]]) -> list[FakeServer]:
+    """Start several fake servers in parallel (``configs`` are FakeServer keyword arguments)."""
+    servers = [FakeServer(tmp_path, f"server{i}", **config) for i, config in enumerate(configs)]
+    try:
+        return [server.wait_ready() for server in servers]
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+
+
+if __name__ == "__main__":
+    main()
