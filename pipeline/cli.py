@@ -15,13 +15,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline import configlib
-from pipeline.config import DataInspectConfig
+from pipeline.config import BootstrapConfig, DataInspectConfig
 from pipeline.errors import UserError
 
 EXIT_USER_ERROR = 2
 
 # Stage name → its config dataclass (used by `winnow config show|docs`).
 STAGE_CONFIGS: dict[str, type] = {
+    "bootstrap": BootstrapConfig,
     "data-inspect": DataInspectConfig,
 }
 
@@ -61,6 +62,21 @@ def _data_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- bootstrap
+def _bootstrap(args: argparse.Namespace) -> int:
+    from pipeline.stages.bootstrap import run_bootstrap
+
+    cfg = configlib.load(BootstrapConfig, yaml_path=args.config, overrides=args.overrides)
+    result = run_bootstrap(cfg)
+    state = "reused cached" if result.cached else "trained"
+    summary = result.summary
+    print(f"{state} base policy: {summary['num_parameters']:,} parameters, vocab {summary['vocab_size']}, "
+          f"final loss {summary['final_loss']:.3f}")
+    print(f"  tokenizer:   {result.tokenizer_dir}")
+    print(f"  checkpoints: {result.checkpoint_dir}")
+    return 0
+
+
 # ---------------------------------------------------------------- config tools
 def _config_show_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("stage", choices=sorted(STAGE_CONFIGS), help="the stage whose config to print")
@@ -89,6 +105,11 @@ def _config_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+STAGES: list[Command] = [
+    Command("bootstrap", "train the tokenizer and supervised base policy of the CPU demo (cached)",
+            _add_config_arguments, _bootstrap),
+]
+
 GROUPS: dict[str, tuple[str, list[Command]]] = {
     "data": ("inspect datasets and benchmarks", [
         Command("inspect", "print counts, fields, examples and bad-row counts of a dataset",
@@ -109,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL post-training for reasoning LLMs: curate → train estimator → RL → evaluate → export.",
     )
     groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
+    for command in STAGES:
+        command_parser = groups.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(command_parser)
+        command_parser.set_defaults(handler=command.run)
     for group_name, (group_help, commands) in GROUPS.items():
         group_parser = groups.add_parser(group_name, help=group_help, description=group_help)
         sub = group_parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)

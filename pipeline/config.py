@@ -23,7 +23,7 @@ def _require(condition: bool, field: str, message: str) -> None:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     train: list[str] = option(
-        default_factory=lambda: ["arith?difficulty=2&size=4000"],
+        default_factory=lambda: ["arith?difficulty=3&size=4000"],
         help="training prompt sources: benchmark names, synthetic specs or .jsonl/.parquet paths",
     )
     split: str | None = option(
@@ -66,7 +66,7 @@ class RewardConfig:
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
     benchmarks: list[str] = option(
-        default_factory=lambda: ["arith?difficulty=2&size=500"],
+        default_factory=lambda: ["arith?difficulty=3&size=500"],
         help="benchmarks to evaluate: math500, gsm8k, math, minerva, or synthetic specs",
     )
     split: str = option("test", help="split of each benchmark")
@@ -116,14 +116,6 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class DataInspectConfig:
-    """What `winnow data inspect` reads; a stage config of its own."""
-
-    data: DataConfig = section(DataConfig, help="data loading options")
-    num_examples: int = option(3, ge=0, help="examples to print")
-
-
-@dataclass(kw_only=True, slots=True)
 class OptimConfig:
     lr: float = option(1e-6, gt=0.0, help="peak learning rate (Adam)")
     min_lr_ratio: float = option(0.0, ge=0.0, le=1.0, help="final learning rate as a fraction of lr (cosine decay)")
@@ -152,3 +144,58 @@ class TrainerConfig:
     max_skipped_steps: int = option(
         3, ge=0, help="consecutive non-finite steps tolerated before the run stops with an error"
     )
+
+
+@dataclass(kw_only=True, slots=True)
+class DataInspectConfig:
+    """What `winnow data inspect` reads; a stage config of its own."""
+
+    data: DataConfig = section(DataConfig, help="data loading options")
+    num_examples: int = option(3, ge=0, help="examples to print")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """A Llama-style decoder built from scratch (the CPU demo); vocab comes from the tokenizer."""
+
+    family: Literal["llama", "qwen2"] = option("llama", help="architecture family (qwen2 adds q/k/v bias)")
+    hidden_size: int = option(128, ge=8, help="model width")
+    ffn_hidden_size: int = option(352, ge=8, help="SwiGLU inner width")
+    num_layers: int = option(4, ge=1, help="transformer layers")
+    num_attention_heads: int = option(4, ge=1, help="query heads")
+    num_query_groups: int = option(4, ge=1, help="key/value heads (grouped-query attention)")
+    max_position_embeddings: int = option(128, ge=8, help="longest sequence (prompt + response)")
+    rope_theta: float = option(10000.0, gt=0, help="RoPE base")
+    tie_embeddings: bool = option(False, help="share input embedding and output layer")
+
+    def __post_init__(self) -> None:
+        _require(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
+                 f"{self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}")
+        _require(self.num_attention_heads % self.num_query_groups == 0, "num_query_groups",
+                 f"{self.num_query_groups} does not divide num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass(kw_only=True, slots=True)
+class BootstrapConfig:
+    """`winnow bootstrap`: tokenizer + supervised base policy for the CPU demo, cached by config hash."""
+
+    sources: list[str] = option(
+        default_factory=lambda: [
+            "arith?difficulty=1&size=140", "arith?difficulty=2&size=200", "arith?difficulty=3&size=5000",
+            "arith?difficulty=4&size=5000", "arith?difficulty=5&size=5000",
+        ],
+        help="worked-solution sources to supervise on (their train split)",
+    )
+    vocab_size: int = option(320, ge=32, help="BPE vocabulary size of the trained tokenizer")
+    model: ModelConfig = section(ModelConfig, help="the policy architecture")
+    optim: OptimConfig = option(
+        default_factory=lambda: OptimConfig(
+            lr=3e-3, warmup_steps=30, decay="cosine", total_steps=600, min_lr_ratio=0.1, weight_decay=0.01
+        ),
+        help="optimizer and learning-rate schedule; optim.total_steps is the number of steps",
+    )
+    trainer: TrainerConfig = section(TrainerConfig, help="micro-batching and the log-prob head")
+    batch_size: int = option(64, ge=1, help="sequences per optimizer step")
+    seed: int = option(0, help="seed of initialization and data order")
+    cache_dir: str = option("cache/bootstrap", help="results live in <cache_dir>/<config hash>/")
+    progress: bool = option(True, help="show a progress bar")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,21 @@ import yaml
 from pipeline.errors import UserError
 
 T = TypeVar("T")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``3e-3`` (no dot) as a string; config values mean the number."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 _MISSING = dataclasses.MISSING
 
@@ -222,7 +238,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if any(not p for p in parts):
         raise ConfigError(f"override {text!r} has an empty path component")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as error:
         raise ConfigError(f"override {key}: cannot read value {raw!r}: {error}") from None
     return parts, value
@@ -255,7 +271,7 @@ def load(cls: type[T], *, base: T | None = None, yaml_path: str | Path | None = 
     data = to_dict(base if base is not None else cls())
     if yaml_path is not None:
         try:
-            loaded = yaml.safe_load(Path(yaml_path).read_text())
+            loaded = _yaml_load(Path(yaml_path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {yaml_path} does not exist") from None
         except yaml.YAMLError as error:
@@ -293,19 +309,20 @@ def save_resolved(obj: Any, directory: str | Path, name: str = "config.yaml") ->
     return target
 
 
-def iter_options(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, str, Any, str]]:
-    """(dotted path, type description, default, help) for every leaf option."""
+def iter_options(cls: type, prefix: str = "", defaults: Any = None) -> typing.Iterator[tuple[str, str, Any, str]]:
+    """(dotted path, type description, default, help) for every leaf option.
+
+    Defaults are read from an instance (``defaults`` or ``cls()``), so a section whose
+    stage overrides its defaults (``BootstrapConfig.optim``) is documented as it is used.
+    """
     hints = _hints(cls)
+    if defaults is None:
+        defaults = cls()
     for field in dataclasses.fields(cls):
         path = f"{prefix}{field.name}"
         tp = hints[field.name]
+        value = getattr(defaults, field.name)
         if dataclasses.is_dataclass(tp):
-            yield from iter_options(tp, prefix=f"{path}.")
+            yield from iter_options(tp, prefix=f"{path}.", defaults=value)
             continue
-        if field.default is not _MISSING:
-            default = field.default
-        elif field.default_factory is not _MISSING:
-            default = field.default_factory()
-        else:
-            default = "(required)"
-        yield path, _describe(tp), to_dict(default), field.metadata.get("help", "")
+        yield path, _describe(tp), to_dict(value), field.metadata.get("help", "")

@@ -32,6 +32,8 @@ def test_overrides_are_dotted_and_typed():
     cfg = configlib.load(Outer, overrides=["inner.rate=0.5", "inner.mode=b", "flag=true", "inner.sizes=[3,4]", "inner.cap=7"])
     assert (cfg.inner.rate, cfg.inner.mode, cfg.flag, cfg.inner.sizes, cfg.inner.cap) == (0.5, "b", True, [3, 4], 7)
     assert isinstance(configlib.load(Outer, overrides=["inner.rate=1"]).inner.rate, float)
+    # YAML 1.1 would read 3e-3 as a string; configs mean the number.
+    assert configlib.load(Outer, overrides=["inner.rate=3e-3"]).inner.rate == 0.003
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,58 @@
+"""A small BPE tokenizer trained on the task corpus, saved as Hugging Face tokenizer files.
+
+Used by the bootstrap stage to build the CPU demo's policy from nothing. Digits are
+always single tokens (``Digits(individual_digits=True)``): merged digit strings
+would make arithmetic a lookup over thousands of unrelated tokens. Words and LaTeX
+pieces (``\\boxed{``) merge as usual. The result loads with
+``transformers.AutoTokenizer.from_pretrained(dir, local_files_only=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+
+
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int):
+    """A ``PreTrainedTokenizerFast`` with BPE merges learned from ``texts``."""
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < len(SPECIAL_TOKENS) + 10:
+        raise ValueError(f"vocab_size must be ≥ {len(SPECIAL_TOKENS) + 10}, got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Metaspace(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=list("0123456789+-*/=().,;?{}\\ "),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
+    )
+
+
+def save_tokenizer(tokenizer, directory: str | Path) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def load_tokenizer(directory: str | Path):
+    """Load saved tokenizer files; never runs remote code."""
+    from transformers import AutoTokenizer
+
+    path = Path(directory)
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{path / 'tokenizer.json'} does not exist")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)

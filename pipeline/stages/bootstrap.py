@@ -1,0 +1,181 @@
+"""`winnow bootstrap`: a base policy from nothing, for the CPU demo and the tests.
+
+RL needs a policy whose pass rate is clearly above zero and far from solved. This
+stage trains a BPE tokenizer on worked synthetic problems (``arith`` by default:
+answers in ``\\boxed{}``), then supervises a small Llama-style Megatron actor on
+them with the actor's own cross-entropy step. Results are cached under
+``<cache_dir>/<hash of the resolved config>/`` and reused by any later run with the
+same config:
+
+    tokenizer/            Hugging Face tokenizer files
+    checkpoints/          our checkpoint format (``pipeline/trainer/checkpoint.py``)
+    metrics.jsonl         per-step loss, learning rate, tokens/s
+    summary.json          written last: the cache entry is complete only with it
+
+Users with GPUs start from a converted Hugging Face checkpoint instead
+(``winnow convert hf-to-megatron``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import configlib
+from pipeline.config import BootstrapConfig
+from pipeline.data import Prompt, load_prompts, render_prompt
+
+logger = logging.getLogger(__name__)
+
+TEMPLATE = "raw"  # the tiny policy sees the bare problem; the solution ends in \boxed{}
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapResult:
+    directory: Path
+    tokenizer_dir: Path
+    checkpoint_dir: Path
+    cached: bool
+    summary: dict
+
+
+def config_hash(cfg: BootstrapConfig) -> str:
+    data = configlib.to_dict(cfg)
+    data.pop("cache_dir")
+    data.pop("progress")
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_training_prompts(cfg: BootstrapConfig) -> list[Prompt]:
+    prompts: list[Prompt] = []
+    for spec in cfg.sources:
+        loaded, _ = load_prompts(spec, split="train", seed=cfg.seed)
+        missing = [p.id for p in loaded if not p.metadata.get("solution")]
+        if missing:
+            raise ValueError(f"bootstrap.sources: {spec} has prompts without a worked solution (e.g. {missing[0]})")
+        prompts.extend(loaded)
+    return prompts
+
+
+def encode_example(tokenizer, prompt_text: str, response_text: str) -> tuple[list[int], int]:
+    """Token ids ``[bos] prompt response [eos]`` and the index where the response starts.
+
+    Prompt and response are encoded separately, exactly as at generation time (the
+    engine continues from the prompt's ids), so training and sampling see the same
+    token boundaries.
+    """
+    prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+    response_ids = tokenizer.encode(" " + response_text, add_special_tokens=False)
+    ids = [tokenizer.bos_token_id, *prompt_ids, *response_ids, tokenizer.eos_token_id]
+    return ids, 1 + len(prompt_ids)
+
+
+def make_batch(examples: list[tuple[list[int], int]], *, pad_id: int):
+    from pipeline.trainer.batch import TrainBatch
+
+    length = max(len(ids) for ids, _ in examples)
+    tokens = torch.full((len(examples), length), pad_id, dtype=torch.long)  # (B, T)
+    response_mask = torch.zeros((len(examples), length), dtype=torch.bool)  # (B, T)
+    for row, (ids, start) in enumerate(examples):
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        response_mask[row, start : len(ids)] = True
+    return TrainBatch(tokens=tokens, response_mask=response_mask)
+
+
+def run_bootstrap(cfg: BootstrapConfig, *, context=None) -> BootstrapResult:
+    """Train (or reuse from the cache) the tokenizer and base policy described by ``cfg``."""
+    from tqdm import tqdm
+
+    from pipeline.metrics import MetricsWriter
+    from pipeline.models.spec import ModelSpec
+    from pipeline.models.tokenizer import save_tokenizer, train_tokenizer
+    from pipeline.parallel.context import ParallelContext
+    from pipeline.trainer.actor import Actor
+    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.trainer.losses import CrossEntropyLoss
+
+    directory = Path(cfg.cache_dir) / config_hash(cfg)
+    summary_path = directory / "summary.json"
+    if summary_path.is_file():
+        return BootstrapResult(directory, directory / "tokenizer", directory / "checkpoints", True,
+                               json.loads(summary_path.read_text()))
+    started = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
+    configlib.save_resolved(cfg, directory)
+
+    prompts = load_training_prompts(cfg)
+    texts = [render_prompt(p, template=TEMPLATE) + " " + p.metadata["solution"] for p in prompts]
+    tokenizer = train_tokenizer(texts, vocab_size=cfg.vocab_size)
+    tokenizer_dir = save_tokenizer(tokenizer, directory / "tokenizer")
+    examples = [encode_example(tokenizer, render_prompt(p, template=TEMPLATE), p.metadata["solution"]) for p in prompts]
+    longest = max(len(ids) for ids, _ in examples)
+    if longest > cfg.model.max_position_embeddings:
+        raise ValueError(
+            f"bootstrap.model.max_position_embeddings: {cfg.model.max_position_embeddings} is shorter than the "
+            f"longest training example ({longest} tokens)"
+        )
+
+    if context is None:
+        context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed,
+                                             **_single_process_rendezvous())
+    model = cfg.model
+    spec = ModelSpec(
+        family=model.family, vocab_size=len(tokenizer), hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size, num_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        max_position_embeddings=model.max_position_embeddings, rope_theta=model.rope_theta,
+        qkv_bias=model.family == "qwen2", tie_embeddings=model.tie_embeddings,
+    )
+    actor = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=cfg.optim, seed=cfg.seed)
+    loss = CrossEntropyLoss()
+    writer = MetricsWriter(directory, tensorboard=False)
+    order_generator = torch.Generator().manual_seed(cfg.seed)
+    order: list[int] = []
+    num_tokens = 0
+    bar = tqdm(range(cfg.optim.total_steps), desc="bootstrap SFT", disable=not cfg.progress, unit="step")
+    for step in bar:
+        if len(order) < cfg.batch_size:  # a new epoch, in a seeded order
+            order += torch.randperm(len(examples), generator=order_generator).tolist()
+        rows, order = order[: cfg.batch_size], order[cfg.batch_size:]
+        batch = make_batch([examples[i] for i in rows], pad_id=tokenizer.pad_token_id)
+        result = actor.train_step(batch, loss)
+        num_tokens += int(batch.response_mask.sum())
+        elapsed = time.perf_counter() - started
+        writer.log(step, {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.learning_rate,
+                          "skipped": result.skipped, "tokens_per_s": num_tokens / elapsed})
+        bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{num_tokens / elapsed:,.0f}")
+    writer.close()
+
+    manager = CheckpointManager(directory / "checkpoints", keep_last=1, rank=context.rank, world_size=context.world_size)
+    manager.save(cfg.optim.total_steps, actor=actor, metadata={"tokenizer": "../../tokenizer"})
+    summary = {
+        "num_parameters": sum(p.numel() for p in actor.module.parameters()),
+        "num_examples": len(examples),
+        "vocab_size": len(tokenizer),
+        "final_loss": result.loss,
+        "trained_tokens": num_tokens,
+        "seconds": time.perf_counter() - started,
+        "model_spec": spec.to_dict(),
+    }
+    if context.rank == 0:
+        summary_path.write_text(json.dumps(summary, indent=1))
+    return BootstrapResult(directory, tokenizer_dir, directory / "checkpoints", False, summary)
+
+
+def _single_process_rendezvous() -> dict:
+    """rank/world/address for a one-process run outside torchrun (torchrun's env wins)."""
+    import os
+    import socket
+
+    if "RANK" in os.environ:
+        return {}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {"rank": 0, "world_size": 1, "master_addr": "127.0.0.1", "master_port": port}
