@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline import configlib
-from pipeline.config import BootstrapConfig, DataInspectConfig
+from pipeline.config import BootstrapConfig, DataInspectConfig, DemoConfig
 from pipeline.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -24,6 +24,7 @@ EXIT_USER_ERROR = 2
 STAGE_CONFIGS: dict[str, type] = {
     "bootstrap": BootstrapConfig,
     "data-inspect": DataInspectConfig,
+    "demo": DemoConfig,
 }
 
 
@@ -77,6 +78,13 @@ def _bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from pipeline.stages.demo import run_demo
+
+    run_demo(configlib.load(DemoConfig, yaml_path=args.config, overrides=args.overrides))
+    return 0
+
+
 # ---------------------------------------------------------------- config tools
 def _config_show_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("stage", choices=sorted(STAGE_CONFIGS), help="the stage whose config to print")
@@ -106,6 +114,8 @@ def _config_docs(args: argparse.Namespace) -> int:
 
 
 STAGES: list[Command] = [
+    Command("demo", "the CPU demo: base policy, weight sync, pass@k on held-out sets, log-prob agreement",
+            _add_config_arguments, _demo),
     Command("bootstrap", "train the tokenizer and supervised base policy of the CPU demo (cached)",
             _add_config_arguments, _bootstrap),
 ]

@@ -199,3 +199,22 @@ class BootstrapConfig:
     seed: int = option(0, help="seed of initialization and data order")
     cache_dir: str = option("cache/bootstrap", help="results live in <cache_dir>/<config hash>/")
     progress: bool = option(True, help="show a progress bar")
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    """`winnow demo`: bootstrap, weight sync and pass@k of the base policy on held-out sets."""
+
+    bootstrap: BootstrapConfig = section(BootstrapConfig, help="the base policy to build or reuse")
+    eval_sets: list[str] = option(
+        default_factory=lambda: [f"arith?difficulty={d}&size={s}" for d, s in ((1, 8), (2, 12), (3, 100), (4, 100), (5, 100))]
+        + ["gsm8k"],
+        help="held-out sets (their test split) to evaluate",
+    )
+    limit: int = option(100, ge=1, help="at most this many problems per set")
+    num_samples: int = option(8, ge=1, help="samples per problem (n of pass@k)")
+    ks: list[int] = option(default_factory=lambda: [1, 2, 4, 8], help="k values of pass@k")
+    temperature: float = option(1.0, gt=0.0, help="sampling temperature")
+    max_new_tokens: int = option(48, ge=1, help="generation length limit")
+    reward: RewardConfig = section(RewardConfig, help="grading pool")
+    seed: int = option(1234, help="sampling seed")

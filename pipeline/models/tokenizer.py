@@ -56,3 +56,9 @@ def load_tokenizer(directory: str | Path):
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} does not exist")
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Prompt token ids as the policy sees them at training and generation time: ``[bos] + text``."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return [tokenizer.bos_token_id, *ids] if tokenizer.bos_token_id is not None else ids

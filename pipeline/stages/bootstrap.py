@@ -67,13 +67,14 @@ def encode_example(tokenizer, prompt_text: str, response_text: str) -> tuple[lis
     """Token ids ``[bos] prompt response [eos]`` and the index where the response starts.
 
     Prompt and response are encoded separately, exactly as at generation time (the
-    engine continues from the prompt's ids), so training and sampling see the same
-    token boundaries.
+    engine continues from ``encode_prompt``'s ids), so training and sampling see the
+    same token boundaries.
     """
-    prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+    from pipeline.models.tokenizer import encode_prompt
+
+    prompt_ids = encode_prompt(tokenizer, prompt_text)
     response_ids = tokenizer.encode(" " + response_text, add_special_tokens=False)
-    ids = [tokenizer.bos_token_id, *prompt_ids, *response_ids, tokenizer.eos_token_id]
-    return ids, 1 + len(prompt_ids)
+    return [*prompt_ids, *response_ids, tokenizer.eos_token_id], len(prompt_ids)
 
 
 def make_batch(examples: list[tuple[list[int], int]], *, pad_id: int):

@@ -1,0 +1,62 @@
+"""Weights from the Megatron actor to a rollout engine, through the one HF⇄Megatron map.
+
+The local engine runs a Hugging Face model; every sync converts the actor's
+(possibly TP/PP-sharded) weights with ``pipeline.checkpoint.convert`` — the same
+code path as ``winnow convert megatron-to-hf`` — so each RL step also exercises the
+conversion. Shards are gathered to global rank 0 (which drives the engine); other
+data-parallel replicas hold copies and send nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from pipeline.checkpoint.convert import megatron_to_hf_state
+from pipeline.checkpoint.hf_map import MegatronLayout
+from pipeline.models.spec import ModelSpec
+
+
+def build_hf_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32):
+    """An HF causal LM with ``spec``'s architecture (random weights until the first sync)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = dict(spec.to_hf_config())
+    model_type = hf_config.pop("model_type")
+    hf_config.pop("architectures")
+    config = AutoConfig.for_model(model_type, **hf_config)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def actor_hf_state(actor) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """HF-named tensors of the actor's current weights on global rank 0; ``None`` elsewhere.
+
+    Every rank must call it (it gathers over the world group when there is more than one).
+    """
+    context = actor.context
+    local = {k: v.detach() for k, v in actor.module.state_dict().items() if not k.endswith("_extra_state")}
+    layout = MegatronLayout.build(
+        actor.spec, tp_size=context.tensor_parallel, pp_size=context.pipeline_parallel,
+    )
+    if context.world_size == 1:
+        return megatron_to_hf_state([[local]], spec=actor.spec, layout=layout)
+    payload = (context.pp_rank, context.tp_rank, local if context.dp_rank == 0 else None)
+    gathered: list | None = [None] * context.world_size if context.rank == 0 else None
+    dist.gather_object(payload, gathered, dst=0)
+    if context.rank != 0:
+        return None
+    grid: list[list] = [[None] * context.tensor_parallel for _ in range(context.pipeline_parallel)]
+    for pp_rank, tp_rank, state in gathered:
+        if state is not None:
+            grid[pp_rank][tp_rank] = state
+    return megatron_to_hf_state(grid, spec=actor.spec, layout=layout)
+
+
+def sync_actor_to_engine(actor, engine, *, version: int) -> None:
+    """Push the actor's weights into a local engine as weight ``version`` (collective)."""
+    pairs = actor_hf_state(actor)
+    if pairs is not None:
+        engine.update_weights(pairs, version=version)

@@ -1,0 +1,136 @@
+"""`winnow demo`: the furthest the campaign goes today, end to end on a CPU.
+
+1. bootstrap the base policy (tokenizer + supervised Megatron actor; cached by config hash);
+2. restore the actor from its checkpoint and sync its weights into the local rollout engine
+   through the Megatron→HF map (timed);
+3. sample n answers per held-out problem, grade them in the bounded pool, and report
+   unbiased pass@k per difficulty and on GSM8K (honestly near zero for a model this size);
+4. check train/rollout agreement: the actor's recomputed log-probs of the sampled tokens
+   against the engine's (mean and max |Δ|).
+
+Curation, estimator training, RL and export join this command as their stages land.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pipeline.config import DemoConfig
+
+
+def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
+    from pipeline.data import load_prompts
+    from pipeline.eval.runner import sample_and_grade, score
+    from pipeline.models.spec import ModelSpec
+    from pipeline.models.tokenizer import load_tokenizer
+    from pipeline.parallel.context import ParallelContext
+    from pipeline.rewards import GradingPool
+    from pipeline.rollout.local import LocalEngine
+    from pipeline.rollout.mismatch import logprob_mismatch
+    from pipeline.rollout.types import SamplingParams
+    from pipeline.rollout.weight_sync import build_hf_model, sync_actor_to_engine
+    from pipeline.stages.bootstrap import TEMPLATE, _single_process_rendezvous, run_bootstrap
+    from pipeline.trainer.actor import Actor
+    from pipeline.trainer.checkpoint import CheckpointManager
+
+    started = time.perf_counter()
+    if context is None:
+        context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.bootstrap.seed,
+                                             **_single_process_rendezvous())
+    out("[1/4] base policy (bootstrap)")
+    boot = run_bootstrap(cfg.bootstrap, context=context)
+    summary = boot.summary
+    out(f"      {'reused' if boot.cached else 'trained'}: {summary['num_parameters']:,} parameters, "
+        f"final SFT loss {summary['final_loss']:.3f}  ({boot.directory})")
+
+    out("[2/4] restore the Megatron actor and sync its weights into the local engine")
+    spec = ModelSpec(**summary["model_spec"])
+    actor = Actor(spec=spec, context=context, trainer=cfg.bootstrap.trainer, optim=cfg.bootstrap.optim, seed=cfg.bootstrap.seed)
+    manager = CheckpointManager(boot.checkpoint_dir, keep_last=1, rank=context.rank, world_size=context.world_size)
+    checkpoint = manager.newest_valid()
+    if checkpoint is None:
+        raise FileNotFoundError(f"no valid checkpoint under {boot.checkpoint_dir}")
+    manager.load(checkpoint, actor=actor)
+    tokenizer = load_tokenizer(boot.tokenizer_dir)
+    engine = LocalEngine(build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, show_progress=False)
+    sync_started = time.perf_counter()
+    sync_actor_to_engine(actor, engine, version=1)
+    out(f"      weights v1 synced in {time.perf_counter() - sync_started:.3f} s")
+
+    out(f"[3/4] pass@k with n={cfg.num_samples}, T={cfg.temperature}, {cfg.max_new_tokens} new tokens")
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
+    table: dict[str, dict[str, float]] = {}
+    sampled: dict[str, object] = {}  # a few results per set, by prompt id (sets may share problems)
+    with GradingPool(**cfg.reward.pool_kwargs()) as pool:
+        for spec_text in cfg.eval_sets:
+            prompts, _ = load_prompts(spec_text, split="test", limit=cfg.limit)
+            prompts, num_too_long = _fitting(prompts, tokenizer, budget=spec.max_position_embeddings - cfg.max_new_tokens)
+            if not prompts:
+                out(f"      {spec_text}: all {num_too_long} problems are longer than the model's context; skipped")
+                continue
+            if num_too_long:
+                out(f"      {spec_text}: {num_too_long} problems longer than the model's context skipped")
+            results = sample_and_grade(engine=engine, tokenizer=tokenizer, prompts=prompts,
+                                       num_samples=cfg.num_samples, params=params, pool=pool, template=TEMPLATE)
+            table[spec_text] = score(results, cfg.ks)
+            sampled.update((r.prompt.id, r) for r in results[:4])
+    header = f"      {'set':<28} {'problems':>8} " + " ".join(f"{'pass@' + str(k):>8}" for k in cfg.ks)
+    out(header)
+    for name, row in table.items():
+        cells = " ".join(f"{row.get(f'pass@{k}', float('nan')):8.3f}" for k in cfg.ks)
+        out(f"      {name:<28} {int(row['num_problems']):>8} {cells}")
+
+    out("[4/4] train/rollout log-prob agreement on sampled tokens")
+    checked = list(sampled.values())
+    completions = engine.generate([_request(tokenizer, r.prompt, TEMPLATE) for r in checked], params)
+    batch, engine_logprobs = _batch_from_completions(tokenizer, checked, completions, TEMPLATE)
+    trainer_logprobs = actor.compute_logprobs(batch, temperature=cfg.temperature)
+    _, mismatch = logprob_mismatch(engine_logprobs, trainer_logprobs, mask=batch.response_mask)
+    out(f"      mean |Δ| = {float(mismatch['mean_abs_diff']):.2e}, max |Δ| = {float(mismatch['max_abs_diff']):.2e} "
+        f"over {int(mismatch['num_tokens'])} tokens")
+    out(f"done in {time.perf_counter() - started:.0f} s")
+    return {"pass_at_k": table, "mismatch": {k: float(v) for k, v in mismatch.items()}}
+
+
+def _fitting(prompts, tokenizer, *, budget: int):
+    """Prompts whose encoding fits ``budget`` tokens, and how many did not."""
+    from pipeline.data import render_prompt
+    from pipeline.models.tokenizer import encode_prompt
+    from pipeline.stages.bootstrap import TEMPLATE
+
+    kept = [p for p in prompts if len(encode_prompt(tokenizer, render_prompt(p, template=TEMPLATE))) <= budget]
+    return kept, len(prompts) - len(kept)
+
+
+def _request(tokenizer, prompt, template):
+    from pipeline.data import render_prompt
+    from pipeline.models.tokenizer import encode_prompt
+    from pipeline.rollout.types import GenerationRequest
+
+    return GenerationRequest(prompt_id=prompt.id, prompt_token_ids=encode_prompt(tokenizer, render_prompt(prompt, template=template)),
+                             num_samples=1)
+
+
+def _batch_from_completions(tokenizer, results, completions, template):
+    """A TrainBatch of prompt + sampled response and the engine's log-probs aligned to it."""
+    from pipeline.data import render_prompt
+    from pipeline.models.tokenizer import encode_prompt
+    from pipeline.trainer.batch import TrainBatch
+
+    rows = []
+    for result, completion in zip(results, completions):
+        prompt_ids = encode_prompt(tokenizer, render_prompt(result.prompt, template=template))
+        rows.append((prompt_ids, completion.token_ids.tolist(), completion.logprobs))
+    length = max(len(p) + len(r) for p, r, _ in rows)
+    tokens = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.bool)
+    logprobs = torch.zeros((len(rows), length))
+    for i, (prompt_ids, response_ids, response_logprobs) in enumerate(rows):
+        end = len(prompt_ids) + len(response_ids)
+        tokens[i, :end] = torch.tensor(prompt_ids + response_ids)
+        mask[i, len(prompt_ids):end] = True
+        logprobs[i, len(prompt_ids):end] = response_logprobs
+    return TrainBatch(tokens=tokens, response_mask=mask), logprobs

@@ -1,0 +1,38 @@
+"""A real one-node SLURM cluster for the tests of this directory.
+
+The session fixture starts a private cluster with ``slurm/dev-cluster.sh``, in
+its own state directory on its own ports, so a developer's running dev cluster
+is neither reused nor stopped; it stops the cluster at the end of the session.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from tests.slurm.cluster import STOP_BUDGET_S, DevCluster, free_port_pair, new_state_dir, skip_reason
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[DevCluster]:
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = DevCluster(state_dir=new_state_dir(), port=free_port_pair())
+    started = cluster.start()
+    if started.returncode != 0:
+        cluster.script("stop", timeout_s=STOP_BUDGET_S)
+        pytest.fail(
+            f"dev-cluster.sh start exited {started.returncode} after {cluster.start_s:.1f} s:\n{started.stderr}",
+            pytrace=False,
+        )
+    # The script's contract: its only stdout line is the one users eval.
+    assert started.stdout == f"export SLURM_CONF={cluster.slurm_conf}\n", started.stdout
+    print(f"\ndev cluster in {cluster.state_dir} started in {cluster.start_s:.1f} s")
+    yield cluster
+    stopped = cluster.script("stop", timeout_s=STOP_BUDGET_S)
+    assert stopped.returncode == 0, f"dev-cluster.sh stop exited {stopped.returncode}:\n{stopped.stderr}"
+    assert cluster.daemon_pids() == {"munged": None, "slurmctld": None, "slurmd": None}
+    shutil.rmtree(cluster.state_dir)
