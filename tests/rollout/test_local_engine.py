@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
@@ -254,41 +253,3 @@ def test_request_validation() -> None:
         SamplingParams(max_new_tokens=2, temperature=-1.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
-
-
-@pytest.mark.slow
-def test_throughput_at_least_90_percent_of_generate() -> None:
-    """tools/bench/rollout.py's measurement as a check: 16 prompts x 8 samples x 48 tokens,
-    one thread, the two timed alternately, best of 7 (robust to a loaded machine)."""
-    model = tiny_llama(num_layers=4, hidden_size=128, max_position_embeddings=256, init_std=0.02)
-    prompts = ragged_prompts(16, min_len=8, max_len=24)
-    ids, mask = _left_padded(prompts)
-    engine = LocalEngine(model, show_progress=False)
-    requests = _requests(prompts, 8)
-    params = SamplingParams(max_new_tokens=48, temperature=1.0, seed=0, ignore_eos=True)
-    num_tokens = 16 * 8 * 48
-
-    def hf() -> None:
-        with torch.inference_mode():
-            out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=48, min_new_tokens=48, do_sample=True, top_k=0,
-                num_return_sequences=8, pad_token_id=0,
-            )
-        assert out.shape == (128, ids.shape[1] + 48)
-
-    def ours() -> None:
-        assert sum(c.num_tokens for c in engine.generate(requests, params)) == num_tokens
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        best = {hf: float("inf"), ours: float("inf")}
-        hf(), ours()
-        for _ in range(7):
-            for fn in (hf, ours):
-                start = time.perf_counter()
-                fn()
-                best[fn] = min(best[fn], time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    assert best[ours] <= best[hf] / 0.9, (num_tokens / best[ours], num_tokens / best[hf])
