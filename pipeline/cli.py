@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline import configlib
-from pipeline.config import BootstrapConfig, DataInspectConfig, DemoConfig
+from pipeline.config import BootstrapConfig, DataInspectConfig, DemoConfig, RLConfig
 from pipeline.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -25,7 +25,16 @@ STAGE_CONFIGS: dict[str, type] = {
     "bootstrap": BootstrapConfig,
     "data-inspect": DataInspectConfig,
     "demo": DemoConfig,
+    "rl": RLConfig,
 }
+
+# megatron-core warns at import that it falls back from Apex/Transformer Engine to torch
+# kernels; on CPU that is the expected configuration, not something a user can act on.
+BENIGN_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +87,18 @@ def _bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rl(args: argparse.Namespace) -> int:
+    from pipeline.stages.rl import run_rl
+
+    cfg = configlib.load(RLConfig, yaml_path=args.config, overrides=args.overrides)
+    last = run_rl(cfg)
+    shown = ("reward_mean", "eval/pass@1", "ledger/tokens_generated", "ledger/tokens_with_gradient")
+    print("  ".join(f"{key}={last[key]:.4g}" for key in shown if key in last))
+    print(f"outputs: {cfg.logging.output_dir} (metrics.jsonl, plots/, stats.parquet); "
+          f"checkpoints: {cfg.checkpoint.directory}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from pipeline.stages.demo import run_demo
 
@@ -114,6 +135,8 @@ def _config_docs(args: argparse.Namespace) -> int:
 
 
 STAGES: list[Command] = [
+    Command("rl", "the RL loop: generate, grade, select, update, sync, checkpoint",
+            _add_config_arguments, _rl),
     Command("demo", "the CPU demo: base policy, weight sync, pass@k on held-out sets, log-prob agreement",
             _add_config_arguments, _demo),
     Command("bootstrap", "train the tokenizer and supervised base policy of the CPU demo (cached)",
@@ -155,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import warnings
+
+    for pattern in BENIGN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -218,3 +218,80 @@ class DemoConfig:
     max_new_tokens: int = option(48, ge=1, help="generation length limit")
     reward: RewardConfig = section(RewardConfig, help="grading pool")
     seed: int = option(1234, help="sampling seed")
+
+
+@dataclass(kw_only=True, slots=True)
+class D3SConfig:
+    num_keep_init: int = option(8, ge=1, help="N_s at the start of training (D³S Eq. 9; Table 6: 8 of G=32)")
+    num_keep_final: int = option(32, ge=1, help="N_s at the end of the schedule")
+    keep_ratio_init: float = option(0.05, gt=0.0, le=1.0, help="K, the kept token fraction, at the start")
+    keep_ratio_final: float = option(0.20, gt=0.0, le=1.0, help="K at the end of the schedule")
+    dynamic: bool = option(True, help="linear schedule over the run (D³S); false holds the initial values (D¹S/D²S)")
+    token_scope: Literal["batch", "group", "sample"] = option("batch", help="pool of the top-K token ranking (Eq. 8)")
+
+
+@dataclass(kw_only=True, slots=True)
+class E3TemperatureConfig:
+    initial_temperature: float = option(1.0, gt=0.0, help="τ at the start")
+    min_temperature: float = option(0.1, gt=0.0, help="lower clamp of τ")
+    max_temperature: float = option(2.0, gt=0.0, help="upper clamp of τ")
+    anneal_start_fraction: float | None = option(
+        0.5, ge=0.0, lt=1.0, help="start of the cosine annealing of the target entropy (Eq. 5), as a fraction of steps; null: no annealing"
+    )
+    eta: float = option(0.9, ge=0.0, lt=1.0, help="final target entropy as a fraction of the initial one")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """Which registered method runs at each point of the loop, and their options."""
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "global_baseline"] = option("grpo", help="ADVANTAGES entry")
+    loss: Literal["grpo", "gspo"] = option("grpo", help="POLICY_LOSSES entry")
+    eps_low: float = option(0.2, gt=0.0, lt=1.0, help="lower clip range of the ratio")
+    eps_high: float = option(0.28, gt=0.0, help="upper clip range of the ratio (clip-higher)")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "d3s"] = option(
+        "token_mean", help="loss aggregation (d3s: 1/|Ŝ|·Σ 1/|𝒯ᵢ|, D³S Eq. 10)"
+    )
+    kl_coef: float = option(0.0, ge=0.0, help="k3 KL penalty to the initial policy (0: no reference model)")
+    entropy_coef: float = option(0.0, ge=0.0, help="entropy bonus")
+    sample_selector: Literal["none", "d3s_intra", "d3s_cross", "pods", "balanced"] = option(
+        "none", help="SAMPLE_SELECTORS entry applied after the advantages"
+    )
+    token_weights: list[Literal["d3s_topk", "cw_grpo"]] = option(
+        default_factory=list, help="TOKEN_WEIGHTS entries, applied in order and multiplied"
+    )
+    d3s: D3SConfig = section(D3SConfig, help="D³S sample/token schedule")
+    cw_grpo_scope: Literal["group", "batch"] = option("group", help="CW-GRPO covariance statistics scope")
+    temperature: Literal["fixed", "e3"] = option("fixed", help="sampling temperature: fixed or E3's entropy controller")
+    e3: E3TemperatureConfig = section(E3TemperatureConfig, help="E3 temperature scheduler (Eq. 4–5)")
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    """`winnow rl`: the RL loop (see docs/rl.md)."""
+
+    bootstrap: BootstrapConfig = section(BootstrapConfig, help="the base policy (built or reused from the cache)")
+    data: DataConfig = option(
+        default_factory=lambda: DataConfig(train=["arith?difficulty=3&size=4000"], template="raw"),
+        help="training prompts",
+    )
+    eval_set: str = option("arith?difficulty=3&size=400", help="held-out set (its test split) scored at start and end")
+    eval_samples: int = option(4, ge=1, help="samples per held-out problem (sampled pass@1 = avg over them)")
+    prompts_per_step: int = option(16, ge=1, help="prompts per RL step (B)")
+    group_size: int = option(8, ge=1, help="samples per prompt (G)")
+    max_new_tokens: int = option(48, ge=1, help="generation length limit")
+    temperature: float = option(1.0, gt=0.0, help="sampling temperature (initial τ for E3)")
+    top_p: float = option(1.0, gt=0.0, le=1.0, help="nucleus sampling threshold")
+    steps: int = option(100, ge=1, help="RL steps")
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, help="methods and their options")
+    optim: OptimConfig = option(
+        default_factory=lambda: OptimConfig(lr=1e-4, total_steps=100), help="actor optimizer"
+    )
+    trainer: TrainerConfig = section(TrainerConfig, help="micro-batching and the log-prob head")
+    reward: RewardConfig = section(RewardConfig, help="grading pool")
+    checkpoint: CheckpointConfig = option(
+        default_factory=lambda: CheckpointConfig(directory="runs/rl/checkpoints", every_steps=25),
+        help="checkpoints and resume",
+    )
+    logging: LoggingConfig = option(default_factory=lambda: LoggingConfig(output_dir="runs/rl"), help="outputs")
+    seed: int = option(0, help="seed of data order and sampling")

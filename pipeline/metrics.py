@@ -1,8 +1,10 @@
 """Run metrics: one JSONL line per logged step, mirrored to TensorBoard scalars.
 
 The JSONL file is the source of truth (plots, comparisons and resume read it);
-TensorBoard is a convenience view. On resume the writer drops lines at or after
-the resumed step, so a resumed run's file equals an uninterrupted one's.
+TensorBoard is a convenience view. A line's ``step`` counts completed steps, and a
+checkpoint saved after step k includes line k; on resume from k the writer drops the
+lines after k (written after that checkpoint), so a resumed run's file equals an
+uninterrupted one's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class MetricsWriter:
         self.path = self.directory / "metrics.jsonl"
         if resume_from_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", -1) < resume_from_step]
+                    if line.strip() and json.loads(line).get("step", -1) <= resume_from_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         elif resume_from_step is None and self.path.exists():
             self.path.unlink()

@@ -21,15 +21,16 @@ from pipeline.config import DemoConfig
 
 
 def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
-    from pipeline.data import load_prompts
+    from pipeline.data import load_prompts, render_prompt
     from pipeline.eval.runner import sample_and_grade, score
     from pipeline.models.spec import ModelSpec
-    from pipeline.models.tokenizer import load_tokenizer
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer
     from pipeline.parallel.context import ParallelContext
     from pipeline.rewards import GradingPool
     from pipeline.rollout.local import LocalEngine
     from pipeline.rollout.mismatch import logprob_mismatch
-    from pipeline.rollout.types import SamplingParams
+    from pipeline.rl.rollouts import to_train_batch
+    from pipeline.rollout.types import GenerationRequest, SamplingParams
     from pipeline.rollout.weight_sync import build_hf_model, sync_actor_to_engine
     from pipeline.stages.bootstrap import TEMPLATE, _single_process_rendezvous, run_bootstrap
     from pipeline.trainer.actor import Actor
@@ -85,8 +86,13 @@ def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
 
     out("[4/4] train/rollout log-prob agreement on sampled tokens")
     checked = list(sampled.values())
-    completions = engine.generate([_request(tokenizer, r.prompt, TEMPLATE) for r in checked], params)
-    batch, engine_logprobs = _batch_from_completions(tokenizer, checked, completions, TEMPLATE)
+    prompt_ids = [encode_prompt(tokenizer, render_prompt(r.prompt, template=TEMPLATE)) for r in checked]
+    completions = engine.generate(
+        [GenerationRequest(prompt_id=r.prompt.id, prompt_token_ids=ids, num_samples=1) for r, ids in zip(checked, prompt_ids)],
+        params,
+    )
+    batch, engine_logprobs = to_train_batch(prompt_ids, completions, torch.arange(len(checked)),
+                                            pad_id=tokenizer.pad_token_id)
     trainer_logprobs = actor.compute_logprobs(batch, temperature=cfg.temperature)
     _, mismatch = logprob_mismatch(engine_logprobs, trainer_logprobs, mask=batch.response_mask)
     out(f"      mean |Δ| = {float(mismatch['mean_abs_diff']):.2e}, max |Δ| = {float(mismatch['max_abs_diff']):.2e} "
@@ -103,34 +109,3 @@ def _fitting(prompts, tokenizer, *, budget: int):
 
     kept = [p for p in prompts if len(encode_prompt(tokenizer, render_prompt(p, template=TEMPLATE))) <= budget]
     return kept, len(prompts) - len(kept)
-
-
-def _request(tokenizer, prompt, template):
-    from pipeline.data import render_prompt
-    from pipeline.models.tokenizer import encode_prompt
-    from pipeline.rollout.types import GenerationRequest
-
-    return GenerationRequest(prompt_id=prompt.id, prompt_token_ids=encode_prompt(tokenizer, render_prompt(prompt, template=template)),
-                             num_samples=1)
-
-
-def _batch_from_completions(tokenizer, results, completions, template):
-    """A TrainBatch of prompt + sampled response and the engine's log-probs aligned to it."""
-    from pipeline.data import render_prompt
-    from pipeline.models.tokenizer import encode_prompt
-    from pipeline.trainer.batch import TrainBatch
-
-    rows = []
-    for result, completion in zip(results, completions):
-        prompt_ids = encode_prompt(tokenizer, render_prompt(result.prompt, template=template))
-        rows.append((prompt_ids, completion.token_ids.tolist(), completion.logprobs))
-    length = max(len(p) + len(r) for p, r, _ in rows)
-    tokens = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.bool)
-    logprobs = torch.zeros((len(rows), length))
-    for i, (prompt_ids, response_ids, response_logprobs) in enumerate(rows):
-        end = len(prompt_ids) + len(response_ids)
-        tokens[i, :end] = torch.tensor(prompt_ids + response_ids)
-        mask[i, len(prompt_ids):end] = True
-        logprobs[i, len(prompt_ids):end] = response_logprobs
-    return TrainBatch(tokens=tokens, response_mask=mask), logprobs

@@ -193,7 +193,7 @@ class Actor:
             local = torch.stack([loss.denominator(m) for m in micros]).sum()
             normalizer = self.context.dp_sum(local.to(torch.float64))
         scale = float(self.context.data_parallel)
-        collected: list[torch.Tensor] = []
+        collected: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def forward_step(data_iterator: Iterator[TrainBatch], model):
             micro = next(data_iterator)
@@ -204,7 +204,7 @@ class Actor:
             def loss_func(hidden: torch.Tensor):
                 logprobs, entropy = self._head(hidden, micro.tokens, temperature)
                 if loss is None:
-                    collected.append(logprobs.detach())
+                    collected.append((logprobs.detach(), entropy.detach()))
                     zero = logprobs.sum() * 0.0
                     return zero, torch.tensor(1, dtype=torch.int), {}
                 value, metrics = loss(logprobs=logprobs, entropy=entropy, micro=micro, normalizer=normalizer)
@@ -248,16 +248,22 @@ class Actor:
 
         Available on every pipeline stage; positions outside ``response_mask`` hold 0.
         """
+        return self.compute_token_stats(batch, temperature=temperature)[0]
+
+    def compute_token_stats(self, batch: TrainBatch, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) log-probs and entropies of the response tokens (0 elsewhere), on every stage."""
         self.model.eval()
         with torch.no_grad():
             micros, _, collected = self._run(batch, loss=None, temperature=temperature, forward_only=True)
         self.model.train()
-        result = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        stats = torch.zeros((2, *batch.tokens.shape), dtype=torch.float32)  # (2, B, T)
         if self.context.is_pipeline_last:
-            for rows, logprobs in zip(self._micro_rows(batch), collected):
-                result[rows, : logprobs.shape[1]] = logprobs[: len(rows)].float()
-            result = torch.where(batch.response_mask, result, 0.0)
-        return self.context.broadcast_from_last_stage(result)
+            for rows, (logprobs, entropy) in zip(self._micro_rows(batch), collected):
+                stats[0, rows, : logprobs.shape[1]] = logprobs[: len(rows)].float()
+                stats[1, rows, : entropy.shape[1]] = entropy[: len(rows)].float()
+            stats = torch.where(batch.response_mask, stats, 0.0)
+        stats = self.context.broadcast_from_last_stage(stats)
+        return stats[0], stats[1]
 
     def _micro_rows(self, batch: TrainBatch) -> list[torch.Tensor]:
         """The original row indices of each micro-batch, in ``_micro_batches`` order."""

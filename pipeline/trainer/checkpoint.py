@@ -254,3 +254,17 @@ class CheckpointManager:
         state = json.loads((path / "state.json").read_text())
         tensors = load_file(str(path / "tensors.safetensors"))
         return LoadedCheckpoint(path=path, step=int(state.pop("step")), state=state, tensors=tensors)
+
+
+def load_model_weights(path: Path, module) -> None:
+    """Load only the model weights of checkpoint ``path`` into ``module`` (any layout).
+
+    Used to start a new run from another run's policy (RL from the bootstrap policy,
+    or from a converted Hugging Face model): the optimizer, schedules and RNG start fresh.
+    """
+    path = Path(path)
+    if not (path / "weights").is_dir():
+        raise CheckpointError(f"{path / 'weights'} does not exist: not a winnow checkpoint")
+    model_state = module.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": model_state}, str(path / "weights"))
+    module.load_state_dict(loaded["model"])
