@@ -265,6 +265,11 @@ class AlgorithmConfig:
     temperature: Literal["fixed", "e3"] = option("fixed", help="sampling temperature: fixed or E3's entropy controller")
     e3: E3TemperatureConfig = section(E3TemperatureConfig, help="E3 temperature scheduler (Eq. 4–5)")
 
+    def __post_init__(self) -> None:
+        _require(self.kl_coef == 0.0, "kl_coef",
+                 "the RL loop has no reference model yet (docs/rl.md); the KL term needs one")
+        _require(len(set(self.token_weights)) == len(self.token_weights), "token_weights", "a method is listed twice")
+
 
 @dataclass(kw_only=True, slots=True)
 class RLConfig:

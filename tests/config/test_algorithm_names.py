@@ -1,0 +1,30 @@
+"""The config's allowed method names are exactly the registered ones (no drift either way)."""
+
+from typing import get_args, get_type_hints
+
+import pipeline.algorithms as algorithms
+from pipeline.config import AlgorithmConfig, RewardConfig
+
+
+def _allowed(field: str) -> set[str]:
+    hint = get_type_hints(AlgorithmConfig)[field]
+    args = get_args(hint)
+    if len(args) == 1:  # list[Literal[...]]
+        args = get_args(args[0])
+    return set(args)
+
+
+def test_literals_match_registries():
+    assert _allowed("advantage") == set(algorithms.ADVANTAGES.names())
+    assert _allowed("loss") == set(algorithms.POLICY_LOSSES.names())
+    assert _allowed("sample_selector") == {"none", *algorithms.SAMPLE_SELECTORS.names()}
+    assert _allowed("token_weights") == set(algorithms.TOKEN_WEIGHTS.names())
+
+
+def test_reward_config_maps_onto_the_grading_pool():
+    import inspect
+
+    from pipeline.rewards import GradingPool
+
+    parameters = inspect.signature(GradingPool).parameters
+    assert set(RewardConfig().pool_kwargs()) <= set(parameters)
