@@ -29,11 +29,14 @@ STAGE_CONFIGS: dict[str, type] = {
 }
 
 # megatron-core warns at import that it falls back from Apex/Transformer Engine to torch
-# kernels; on CPU that is the expected configuration, not something a user can act on.
+# kernels (on CPU that is the expected configuration), and its checkpoint code calls torch
+# APIs that torch marks deprecated: nothing a user can act on.
 BENIGN_WARNINGS = (
     r"Transformer Engine and Apex are not installed",
     r"Apex is not installed",
     r"full scope is deprecated",
+    r"`load_state_dict` is deprecated",
+    r"Please use DTensor instead",
 )
 
 
