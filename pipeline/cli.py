@@ -146,7 +146,27 @@ STAGES: list[Command] = [
             _add_config_arguments, _bootstrap),
 ]
 
+def _convert_commands() -> list[Command]:
+    from pipeline.checkpoint import tool
+
+    return [
+        Command("hf-to-megatron", "Hugging Face folder → winnow checkpoint (weights), verified by logits",
+                tool.add_hf_to_megatron_arguments, tool.run_hf_to_megatron),
+        Command("megatron-to-hf", "winnow checkpoint → Hugging Face folder, verified by logits",
+                tool.add_megatron_to_hf_arguments, tool.run_megatron_to_hf),
+    ]
+
+
+def _stats_commands() -> list[Command]:
+    from pipeline.stats import cli as stats_cli
+
+    return [Command("show", "per-prompt statistics of a run: top prompts by a column, and a summary",
+                    stats_cli.add_stats_show_arguments, stats_cli.run_stats_show)]
+
+
 GROUPS: dict[str, tuple[str, list[Command]]] = {
+    "stats": ("inspect a run's per-prompt statistics store", _stats_commands()),
+    "convert": ("convert checkpoints between Hugging Face and Megatron, verified by logits", _convert_commands()),
     "data": ("inspect datasets and benchmarks", [
         Command("inspect", "print counts, fields, examples and bad-row counts of a dataset",
                 _data_inspect_arguments, _data_inspect),

@@ -252,7 +252,7 @@ class AlgorithmConfig:
     aggregation: Literal["token_mean", "seq_mean_token_mean", "d3s"] = option(
         "token_mean", help="loss aggregation (d3s: 1/|Ŝ|·Σ 1/|𝒯ᵢ|, D³S Eq. 10)"
     )
-    kl_coef: float = option(0.0, ge=0.0, help="k3 KL penalty to the initial policy (0: no reference model)")
+    kl_coef: float = option(0.0, ge=0.0, help="k3 KL penalty to the initial policy (> 0 loads a frozen reference copy)")
     entropy_coef: float = option(0.0, ge=0.0, help="entropy bonus")
     sample_selector: Literal["none", "d3s_intra", "d3s_cross", "pods", "balanced"] = option(
         "none", help="SAMPLE_SELECTORS entry applied after the advantages"
@@ -266,8 +266,6 @@ class AlgorithmConfig:
     e3: E3TemperatureConfig = section(E3TemperatureConfig, help="E3 temperature scheduler (Eq. 4–5)")
 
     def __post_init__(self) -> None:
-        _require(self.kl_coef == 0.0, "kl_coef",
-                 "the RL loop has no reference model yet (docs/rl.md); the KL term needs one")
         _require(len(set(self.token_weights)) == len(self.token_weights), "token_weights", "a method is listed twice")
 
 

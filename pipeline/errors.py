@@ -8,3 +8,7 @@ line or tensor at fault.
 
 class UserError(ValueError):
     """Bad config, bad data, a missing or malformed file: the user can fix it."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint or model folder is missing, incomplete, corrupt or inconsistent; names the file."""

@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pipeline.checkpoint.hf_map import expected_hf_shapes
-from pipeline.errors import UserError
+from pipeline.errors import CheckpointError
 from pipeline.models.spec import ModelSpec
 
 __all__ = [
@@ -75,10 +75,6 @@ TOKENIZER_FILES: tuple[str, ...] = (
 )
 
 _GENERATION_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-class CheckpointError(UserError):
-    """A checkpoint folder that cannot be read or written; the message names file and tensor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +320,7 @@ def write_hf_checkpoint(
         _write_configs(staging, spec=spec, generation_values=generation_values, dtype=embedding_dtype)
         for file in tokenizer_files:
             shutil.copyfile(file, staging / file.name)
-        _move_into_place(staging, final, overwrite=overwrite)
+        move_into_place(staging, final, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -413,7 +409,7 @@ def _write_configs(staging: Path, *, spec: ModelSpec, generation_values: dict[st
     generation.to_json_file(str(staging / GENERATION_CONFIG_FILE), use_diff=True)
 
 
-def _move_into_place(staging: Path, final: Path, *, overwrite: bool) -> None:
+def move_into_place(staging: Path, final: Path, *, overwrite: bool) -> None:
     if not final.exists():
         os.rename(staging, final)
         return

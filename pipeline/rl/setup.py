@@ -71,6 +71,7 @@ class Run:
     cfg: RLConfig
     context: Any
     actor: Actor
+    reference: Actor | None  # frozen initial policy for the KL term, when algorithm.kl_coef > 0
     engine: Any
     pool: Any
     tokenizer: Any
@@ -143,8 +144,14 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
     eval_prompts, _ = load_prompts(cfg.eval_set, split="test")
     methods = build_methods(cfg.algorithm, total_steps=cfg.steps, group_size=cfg.group_size,
                             vocab_size=spec.vocab_size, temperature=cfg.temperature)
+    initial_weights = CheckpointManager(base.checkpoint_dir, keep_last=1, rank=context.rank,
+                                        world_size=context.world_size).newest_valid()
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        reference = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=None, seed=cfg.seed)
+        load_model_weights(initial_weights, reference.module)
     run = Run(
-        cfg=cfg, context=context, actor=actor,
+        cfg=cfg, context=context, actor=actor, reference=reference,
         engine=LocalEngine(build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id, show_progress=False),
         pool=GradingPool(**cfg.reward.pool_kwargs()), tokenizer=tokenizer, prompts=prompts,
@@ -162,9 +169,7 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
         run.start_step = loaded.step
         logger.info("resumed from %s at step %d", resume_from, loaded.step)
     else:
-        base_manager = CheckpointManager(base.checkpoint_dir, keep_last=1, rank=context.rank,
-                                         world_size=context.world_size)
-        load_model_weights(base_manager.newest_valid(), actor.module)
+        load_model_weights(initial_weights, actor.module)
     if context.rank == 0:
         run.writer = MetricsWriter(output_dir, tensorboard=cfg.logging.tensorboard,
                                    resume_from_step=run.start_step if resume_from is not None else None)

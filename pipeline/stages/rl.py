@@ -109,6 +109,8 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 metrics.update(weight_metrics)
                 batch.advantages = advantages[:, None] * weights  # (S, T)
                 batch.old_logprobs, batch.token_mask = old_logprobs, token_mask
+                if run.reference is not None:
+                    batch.ref_logprobs = run.reference.compute_logprobs(batch, temperature=temperature)
                 kept_rows = keep_mask.nonzero().squeeze(1)
             with timer("update"):
                 update = actor.train_step(batch.select(kept_rows), methods.loss, temperature=temperature)

@@ -94,9 +94,14 @@ def _causal_mask(length: int) -> torch.Tensor:
 
 
 class Actor:
-    """A trainable policy on this rank's TP/PP shard."""
+    """A policy on this rank's TP/PP shard: trainable, or frozen when ``optim`` is None.
 
-    def __init__(self, *, spec: ModelSpec, context: ParallelContext, trainer: TrainerConfig, optim: OptimConfig, seed: int):
+    A frozen actor (the reference policy of the KL term) has no DDP wrapper, gradient
+    buffers or optimizer state, only the model and the log-prob head.
+    """
+
+    def __init__(self, *, spec: ModelSpec, context: ParallelContext, trainer: TrainerConfig,
+                 optim: OptimConfig | None, seed: int):
         self.spec = spec
         self.context = context
         self.trainer = trainer
@@ -108,6 +113,12 @@ class Actor:
         logger.info("actor layer spec: %s (%s)", self.layer_spec_choice.name, self.layer_spec_choice.reason)
         if context.is_pipeline_last:
             _pass_through_output_layer(model.output_layer)
+        self.num_skipped_steps = 0
+        self._forward_backward = get_forward_backward_func()
+        if optim is None:
+            model.requires_grad_(False)
+            self.model, self.optimizer, self.schedule = model.eval(), None, None
+            return
         # Grad sync and the tied-embedding all-reduce happen once per step in finalize.
         model.config.finalize_model_grads_func = _finalize_grads_without_token_scaling
         model.config.calculate_per_token_loss = True
@@ -132,13 +143,15 @@ class Actor:
             [self.model],
         )
         self.schedule = LearningRateSchedule(optim)
-        self.num_skipped_steps = 0
-        self._forward_backward = get_forward_backward_func()
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
 
     # ------------------------------------------------------------------ helpers
     @property
     def module(self):
-        return self.model.module
+        return self.model.module if self.trainable else self.model
 
     def _output_weight(self) -> torch.Tensor:
         module = self.module
@@ -255,7 +268,7 @@ class Actor:
         self.model.eval()
         with torch.no_grad():
             micros, _, collected = self._run(batch, loss=None, temperature=temperature, forward_only=True)
-        self.model.train()
+        self.model.train(self.trainable)
         stats = torch.zeros((2, *batch.tokens.shape), dtype=torch.float32)  # (2, B, T)
         if self.context.is_pipeline_last:
             for rows, (logprobs, entropy) in zip(self._micro_rows(batch), collected):
@@ -274,6 +287,8 @@ class Actor:
 
     def train_step(self, batch: TrainBatch, loss: TokenLoss, *, temperature: float = 1.0) -> StepResult:
         """One optimizer step on ``batch`` (this DP rank's share); a non-finite step is skipped."""
+        if not self.trainable:
+            raise ValueError("this actor is frozen (built without an optimizer config); it cannot train")
         learning_rate = self.schedule.apply(self.optimizer)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -38,16 +38,12 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 
-from pipeline.errors import UserError
+from pipeline.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 HASHED_FILE_LIMIT = 64 * 2**20  # files above this are checked by size only (hashing TBs costs minutes)
-
-
-class CheckpointError(UserError):
-    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
 
 
 @dataclass(slots=True)
@@ -172,11 +168,12 @@ class CheckpointManager:
             raise CheckpointError(f"writing checkpoint {final} failed: {error}; the previous checkpoint is intact") from error
         self._barrier()
         if self.rank == 0:
-            self._finish(tmp, final, step, {**actor.checkpoint_metadata(), **(metadata or {})})
+            self.publish(tmp, final, step, {**actor.checkpoint_metadata(), **(metadata or {})})
         self._barrier()
         return final
 
-    def _finish(self, tmp: Path, final: Path, step: int, metadata: dict[str, Any]) -> None:
+    def publish(self, tmp: Path, final: Path, step: int, metadata: dict[str, Any]) -> None:
+        """Write the manifest of the finished ``tmp`` directory, rename it to ``final``, update ``latest``."""
         try:
             files = {}
             for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
@@ -256,15 +253,36 @@ class CheckpointManager:
         return LoadedCheckpoint(path=path, step=int(state.pop("step")), state=state, tensors=tensors)
 
 
-def load_model_weights(path: Path, module) -> None:
-    """Load only the model weights of checkpoint ``path`` into ``module`` (any layout).
+def load_model_weights(step_dir: str | os.PathLike[str], module) -> None:
+    """Load only the model weights of checkpoint ``step_dir`` into ``module`` (any layout).
 
-    Used to start a new run from another run's policy (RL from the bootstrap policy,
-    or from a converted Hugging Face model): the optimizer, schedules and RNG start fresh.
+    Used to start a run from another run's policy (RL from the bootstrap policy, or from
+    a converted Hugging Face model): optimizer, schedules and RNG start fresh. Works on
+    training checkpoints (weights + optimizer) and on ``winnow convert hf-to-megatron``
+    output (weights only); megatron reshards whatever layout was saved.
     """
-    path = Path(path)
-    if not (path / "weights").is_dir():
-        raise CheckpointError(f"{path / 'weights'} does not exist: not a winnow checkpoint")
-    model_state = module.sharded_state_dict()
-    loaded = dist_checkpointing.load({"model": model_state}, str(path / "weights"))
-    module.load_state_dict(loaded["model"])
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint import CheckpointException
+
+    weights = Path(step_dir) / "weights"
+    if not weights.is_dir():
+        raise CheckpointError(f"{weights} does not exist: not a winnow checkpoint")
+    try:
+        loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(weights))
+        module.load_state_dict(loaded["model"])
+    except (CheckpointingException, CheckpointException, RuntimeError, ValueError, KeyError, OSError) as error:
+        raise CheckpointError(
+            f"cannot load the model weights from {weights} into the model its manifest describes: "
+            f"{_loading_failure(error)}"
+        ) from error
+
+
+def _loading_failure(error: BaseException) -> str:
+    # torch's CheckpointException wraps each rank's error with its traceback
+    # (`failures`: rank -> (exception, stack)); the first one names the tensor.
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return " / ".join(lines[:3]) if lines else type(error).__name__

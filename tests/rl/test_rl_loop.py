@@ -77,7 +77,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path):
     ["algorithm.sample_selector=d3s_cross", 'algorithm.token_weights=["d3s_topk", "cw_grpo"]',
      "algorithm.d3s.num_keep_init=2", "algorithm.d3s.num_keep_final=4", "algorithm.aggregation=d3s"],
     ["algorithm.loss=gspo", "algorithm.eps_low=0.0003", "algorithm.eps_high=0.0004", "algorithm.temperature=e3"],
-    ["algorithm.sample_selector=pods", "algorithm.advantage=dr_grpo"],
+    ["algorithm.sample_selector=pods", "algorithm.advantage=dr_grpo", "algorithm.kl_coef=0.05"],
 ])
 def test_method_combinations_run_and_log_their_metrics(tmp_path, extra):
     outcome = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path), extra, None))[0]
@@ -88,5 +88,7 @@ def test_method_combinations_run_and_log_their_metrics(tmp_path, extra):
     if "algorithm.sample_selector=d3s_cross" in extra:
         assert last["ledger/samples_discarded"] > 0  # D³S kept 2..4 of 4 samples per group
         assert last["kept_token_ratio"] < 1.0
+    if "algorithm.kl_coef=0.05" in extra:
+        assert any(row["update/kl_ref"] > 0 for row in rows[2:])  # the policy moved away from the reference
     if "algorithm.temperature=e3" in extra:
         assert any(row.get("e3/temperature") not in (None, 1.0) for row in rows[1:])
