@@ -229,7 +229,7 @@ class PromptStatsStore:
         columns["num_samples"][touched] += batch_samples
         columns["num_correct"][touched] += batch_correct
         columns["reward_sum"][touched] += batch_rewards
-        columns["ema_total"].mul_(self.ema_decay); columns["ema_total"][touched] += batch_samples.double()
+        columns["ema_total"][touched] = self.ema_decay * columns["ema_total"][touched] + batch_samples.double()
         columns["ema_correct"][touched] = self.ema_decay * columns["ema_correct"][touched] + batch_correct.double()
         columns["last_seen_step"][touched] = step
         columns["num_seen"][touched] += 1
@@ -462,9 +462,13 @@ class PromptStatsStore:
         columns: dict[str, torch.Tensor] = {}
         for name, spec in COLUMNS.items():
             values = tensors[name]
-            if not isinstance(values, torch.Tensor) or values.dtype != spec.dtype or tuple(values.shape) != (self.num_prompts,):
-                described = f"{values.dtype} {tuple(values.shape)}" if isinstance(values, torch.Tensor) else type(values).__name__
-                raise StatsError(f"{source}: column {name!r} is {described}, expected {spec.dtype} ({self.num_prompts},)")
+            if not isinstance(values, torch.Tensor):
+                raise StatsError(f"{source}: column {name!r} is a {type(values).__name__}, not a tensor")
+            if values.dtype != spec.dtype or tuple(values.shape) != (self.num_prompts,):
+                raise StatsError(
+                    f"{source}: column {name!r} is {values.dtype} {tuple(values.shape)}, "
+                    f"expected {spec.dtype} ({self.num_prompts},)"
+                )
             columns[name] = values.detach().to("cpu").clone().contiguous()
         if bool((columns["num_correct"] > columns["num_samples"]).any()) or bool((columns["num_correct"] < 0).any()):
             raise StatsError(f"{source}: num_correct must lie in [0, num_samples]")
@@ -527,7 +531,10 @@ class PromptStatsStore:
             column = table.column(name)
             expected = pa.int64() if spec.dtype == torch.int64 else pa.float64()
             if column.type != expected or column.null_count:
-                raise StatsError(f"{path}: column {name!r} is {column.type} with {column.null_count} nulls, expected {expected} without nulls")
+                raise StatsError(
+                    f"{path}: column {name!r} is {column.type} with {column.null_count} nulls, "
+                    f"expected {expected} without nulls"
+                )
             tensors[name] = torch.from_numpy(np.array(column.to_numpy(), copy=True))
         store._columns = store._validated_columns(tensors, source=str(path))
         return store
