@@ -144,6 +144,12 @@ class TrainerConfig:
     max_skipped_steps: int = option(
         3, ge=0, help="consecutive non-finite steps tolerated before the run stops with an error"
     )
+    precision: Literal["fp32", "bf16"] = option(
+        "fp32", help="model weights and activations; bf16 keeps fp32 master weights in the optimizer"
+    )
+    fp8: Literal["off", "delayed", "current"] = option(
+        "off", help="Transformer Engine FP8 scaling recipe (GPU with TE only; delayed or current scaling)"
+    )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -41,7 +41,7 @@ from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, 
 from pipeline.algorithms.logprobs import token_logprobs_and_entropy
 from pipeline.config import OptimConfig, TrainerConfig
 from pipeline.models.factory import build_gpt_model
-from pipeline.models.layer_spec import select_layer_spec
+from pipeline.models.layer_spec import FP8Options, select_layer_spec
 from pipeline.models.sharding import shard_full_state_dict
 from pipeline.models.spec import ModelSpec
 from pipeline.parallel.context import ParallelContext
@@ -106,9 +106,12 @@ class Actor:
         self.context = context
         self.trainer = trainer
         self.optim = optim
-        layer_spec, self.layer_spec_choice = select_layer_spec(spec)
+        fp8 = FP8Options(enabled=True, recipe=trainer.fp8) if trainer.fp8 != "off" else None
+        layer_spec, self.layer_spec_choice = select_layer_spec(spec, fp8=fp8)
+        bf16 = trainer.precision == "bf16"
         model = build_gpt_model(
-            spec, parallel_context=context, seed=seed, layer_spec=(layer_spec, self.layer_spec_choice)
+            spec, parallel_context=context, seed=seed, layer_spec=(layer_spec, self.layer_spec_choice),
+            params_dtype=torch.bfloat16 if bf16 else torch.float32, fp8=fp8,
         )
         logger.info("actor layer spec: %s (%s)", self.layer_spec_choice.name, self.layer_spec_choice.reason)
         if context.is_pipeline_last:
@@ -136,7 +139,7 @@ class Actor:
                 adam_beta2=optim.beta2,
                 adam_eps=optim.eps,
                 clip_grad=optim.clip_grad,
-                bf16=False,
+                bf16=bf16,  # megatron then keeps fp32 master weights in the optimizer
                 fp16=False,
                 use_distributed_optimizer=False,
             ),

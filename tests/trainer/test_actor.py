@@ -112,3 +112,33 @@ def test_parallel_layouts_match_single_rank(reference, tp, pp):
     for outcome in outcomes:
         _assert_same_trajectory(outcome, result)
         torch.testing.assert_close(outcome["logprobs"], result["logprobs"], rtol=1e-4, atol=1e-5)
+
+
+def _precision_worker(rank, world_size, precision, fp8):
+    from pipeline.config import OptimConfig, TrainerConfig
+    from pipeline.parallel.context import ParallelContext
+    from pipeline.trainer.actor import Actor
+    from pipeline.trainer.losses import CrossEntropyLoss
+
+    context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=SEED)
+    try:
+        actor = Actor(spec=_spec(), context=context, optim=OptimConfig(lr=1e-2), seed=SEED,
+                      trainer=TrainerConfig(micro_batch_tokens=10_000, logprob_chunk_size=16,
+                                            precision=precision, fp8=fp8))
+    except ValueError as error:
+        return str(error)
+    dtypes = {name: p.dtype for name, p in actor.module.named_parameters()}
+    losses = [actor.train_step(_batch(), CrossEntropyLoss()).loss for _ in range(4)]
+    return dtypes, losses
+
+
+def test_bf16_weights_train_with_fp32_master_copies():
+    dtypes, losses = run_distributed(_precision_worker, world_size=1, args=("bf16", "off"))[0]
+    # Matmul weights are bf16; megatron's torch-norm wrapper keeps norm weights in fp32.
+    assert {d for n, d in dtypes.items() if "layernorm" not in n} == {torch.bfloat16}, dtypes
+    assert losses[-1] < losses[0]
+
+
+def test_fp8_without_transformer_engine_is_a_clear_error():
+    message = run_distributed(_precision_worker, world_size=1, args=("fp32", "delayed"))[0]
+    assert "FP8 needs Transformer Engine and CUDA" in message
