@@ -142,3 +142,33 @@ def test_bf16_weights_train_with_fp32_master_copies():
 def test_fp8_without_transformer_engine_is_a_clear_error():
     message = run_distributed(_precision_worker, world_size=1, args=("fp32", "delayed"))[0]
     assert "FP8 needs Transformer Engine and CUDA" in message
+
+
+def _nan_worker(rank, world_size):
+    from pipeline.trainer.losses import CrossEntropyLoss
+
+    class PoisonedLoss(CrossEntropyLoss):
+        """NaN on the second call: a bad batch, a numerical blow-up."""
+
+        calls = 0
+
+        def __call__(self, **kwargs):
+            loss, metrics = super().__call__(**kwargs)
+            PoisonedLoss.calls += 1
+            return (loss * float("nan") if PoisonedLoss.calls == 2 else loss), metrics
+
+    actor = _actor(1, 1, micro_batch_tokens=10_000)
+    loss = PoisonedLoss()
+    first = actor.train_step(_batch(), loss)
+    before = {k: v.clone() for k, v in actor.module.state_dict().items() if not k.endswith("_extra_state")}
+    poisoned = actor.train_step(_batch(), loss)
+    unchanged = all(torch.equal(before[k], v) for k, v in actor.module.state_dict().items() if k in before)
+    after = actor.train_step(_batch(), loss)
+    return first.skipped, poisoned.skipped, unchanged, actor.num_skipped_steps, after.skipped, after.loss
+
+
+def test_non_finite_loss_skips_the_step_and_leaves_weights_untouched():
+    first, poisoned, unchanged, num_skipped, after, after_loss = run_distributed(_nan_worker, world_size=1)[0]
+    assert (first, poisoned, after) == (False, True, False)
+    assert unchanged and num_skipped == 1
+    assert after_loss == after_loss  # finite again
