@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline import configlib
-from pipeline.config import BootstrapConfig, DataInspectConfig, DemoConfig, RLConfig
+from pipeline.config import BootstrapConfig, DataInspectConfig, DemoConfig, EvaluateConfig, RLConfig
 from pipeline.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -25,6 +25,7 @@ STAGE_CONFIGS: dict[str, type] = {
     "bootstrap": BootstrapConfig,
     "data-inspect": DataInspectConfig,
     "demo": DemoConfig,
+    "evaluate": EvaluateConfig,
     "rl": RLConfig,
 }
 
@@ -157,6 +158,17 @@ def _convert_commands() -> list[Command]:
     ]
 
 
+def _evaluate_commands() -> list[Command]:
+    from pipeline.stages import evaluate
+
+    return [
+        Command("evaluate", "sampled pass@1…pass@32 of a policy on benchmarks, sharded and resumable",
+                evaluate.add_evaluate_arguments, evaluate.run_evaluate_command),
+        Command("evaluate-compare", "two evaluation runs side by side: B − A with bootstrap intervals",
+                evaluate.add_compare_arguments, evaluate.run_compare_command),
+    ]
+
+
 def _stats_commands() -> list[Command]:
     from pipeline.stats import cli as stats_cli
 
@@ -186,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL post-training for reasoning LLMs: curate → train estimator → RL → evaluate → export.",
     )
     groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
-    for command in STAGES:
+    for command in [*STAGES, *_evaluate_commands()]:
         command_parser = groups.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(command_parser)
         command_parser.set_defaults(handler=command.run)

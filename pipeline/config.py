@@ -304,3 +304,27 @@ class RLConfig:
     )
     logging: LoggingConfig = option(default_factory=lambda: LoggingConfig(output_dir="runs/rl"), help="outputs")
     seed: int = option(0, help="seed of data order and sampling")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvaluateConfig:
+    """`winnow evaluate`: sampled pass@k of one policy on benchmarks, sharded and resumable."""
+
+    policy: str = option(
+        "", help="the policy: a Hugging Face folder, a winnow run/checkpoint directory, or a bootstrap cache entry"
+    )
+    tokenizer: str | None = option(
+        None, help="tokenizer folder (null: the policy's own, or tokenizer/ next to its checkpoints)"
+    )
+    output_dir: str = option("runs/eval", help="shards, manifest.json, results.json, results.md and plots go here")
+    eval: EvalConfig = section(EvalConfig, help="benchmarks, sampling, pass@k values and bootstrap")
+    reward: RewardConfig = section(RewardConfig, help="grading pool")
+    template: Literal["raw", "plain", "chat"] = option(
+        "plain", help="prompt template: raw problem, plain instruction, or the tokenizer's chat template"
+    )
+    shard_size: int = option(64, ge=1, help="problems per shard, the unit of work saved and resumed")
+    max_batch_rows: int = option(256, ge=1, help="sequences per forward pass of the local engine")
+    save_responses: int = option(2, ge=0, help="responses kept per problem in the shards (truncated)")
+    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", help="dtype the policy runs in")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", help="where the policy runs (auto: CUDA when available)")
+    progress: bool = option(True, help="show a progress bar per benchmark")

@@ -40,7 +40,8 @@ def sample_and_grade(
 ) -> list[ProblemResult]:
     """Generate ``num_samples`` responses per prompt, grade them, count the correct ones."""
     requests = [
-        GenerationRequest(prompt_id=prompt.id, prompt_token_ids=encode_prompt(tokenizer, render_prompt(prompt, template=template)),
+        GenerationRequest(prompt_id=prompt.id,
+                          prompt_token_ids=encode_prompt(tokenizer, render_prompt(prompt, template=template, tokenizer=tokenizer)),
                           num_samples=num_samples)
         for prompt in prompts
     ]

@@ -1,0 +1,219 @@
+"""Load a policy to evaluate: a Hugging Face folder or a winnow (megatron) checkpoint.
+
+``load_policy(path)`` accepts
+
+* a Hugging Face model folder (``config.json`` plus weights): loaded with
+  ``AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+  trust_remote_code=False)``; its tokenizer is the folder's own unless one is given;
+* a winnow checkpoint: a run's checkpoint directory (resolved through ``latest``), one
+  ``step_*`` directory, or a bootstrap cache entry (``<cache>/<hash>/`` holding
+  ``checkpoints/`` and ``tokenizer/``). The manifest's ``model_spec`` describes the
+  model; a TP=1/PP=1 ``GPTModel`` with megatron's local layer spec is built under a
+  one-rank gloo ``ParallelContext``, only its weights are read
+  (``dist_checkpointing.load({"model": ...})`` reshards from whatever TP/PP layout
+  saved them; optimizer, schedule and RNG states are ignored), and they are mapped to
+  Hugging Face names by ``pipeline.checkpoint.convert.megatron_to_hf_state`` — the
+  same map rollout weight sync and ``winnow convert`` use — into
+  ``pipeline.rollout.weight_sync.build_hf_model(spec)``.
+
+The tokenizer of a winnow checkpoint is, in order: the ``tokenizer`` argument; the
+``tokenizer`` path recorded in the manifest (relative to the step directory, as
+bootstrap writes it); ``tokenizer/`` in the step directory, in the run directory, or
+next to the run directory (a bootstrap cache entry). Without one, ``PolicyError``
+says where it looked.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from pipeline.errors import UserError
+
+__all__ = ["DTYPES", "LoadedPolicy", "PolicyError", "find_tokenizer_dir", "is_hf_folder", "load_policy"]
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HF_WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+)
+_TOKENIZER_DIR = "tokenizer"
+
+
+class PolicyError(UserError):
+    """The policy path is neither a Hugging Face folder nor a winnow checkpoint, or lacks a tokenizer."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedPolicy:
+    """An HF causal LM ready for ``LocalEngine``, its tokenizer, and where it came from.
+
+    ``spec_or_config`` is the checkpoint's ``ModelSpec`` (winnow checkpoints) or the
+    model's ``transformers`` config (HF folders). ``source`` is ``"hf:<folder>"`` or
+    ``"megatron:<step directory>"``: the exact weights evaluated.
+    """
+
+    hf_model: torch.nn.Module
+    tokenizer: Any
+    spec_or_config: Any
+    source: str
+
+    @property
+    def kind(self) -> Literal["hf", "megatron"]:
+        return "hf" if self.source.startswith("hf:") else "megatron"
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        """Longest prompt + response the model takes (``None``: unbounded)."""
+        value = getattr(self.spec_or_config, "max_position_embeddings", None)
+        return int(value) if value is not None else None
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any((path / name).is_file() for name in _HF_WEIGHT_FILES)
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    from pipeline.checkpoint.hf_io import TOKENIZER_FILES
+
+    return folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+
+
+def find_tokenizer_dir(explicit: str | Path | None, *, candidates: list[Path]) -> Path:
+    """``explicit`` if given (it must hold tokenizer files), else the first candidate that does."""
+    if explicit is not None:
+        folder = Path(explicit)
+        if not _has_tokenizer_files(folder):
+            raise PolicyError(f"tokenizer {folder}: not a folder holding tokenizer files (tokenizer.json, ...)")
+        return folder
+    for folder in candidates:
+        if _has_tokenizer_files(folder):
+            return folder
+    looked = ", ".join(str(c) for c in candidates) or "nowhere"
+    raise PolicyError(f"no tokenizer found (looked in {looked}); pass one with --tokenizer DIR (policy.tokenizer)")
+
+
+def load_policy(
+    path: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    context=None,
+) -> LoadedPolicy:
+    """Load the policy at ``path`` (see the module docstring) in ``dtype`` on ``device``.
+
+    ``context``: an existing one-rank ``ParallelContext`` to build a winnow checkpoint's
+    model under. Without one, a one-rank gloo context is brought up for the load and
+    torn down afterwards; a process that already runs ``torch.distributed`` must pass its
+    own (megatron cannot be initialized twice).
+    """
+    if dtype not in DTYPES:
+        raise PolicyError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    directory = Path(path)
+    if not directory.is_dir():
+        raise PolicyError(f"policy {directory} does not exist or is not a directory")
+    if is_hf_folder(directory):
+        policy = _load_hf_folder(directory, tokenizer=tokenizer, dtype=DTYPES[dtype])
+    else:
+        policy = _load_winnow_checkpoint(directory, tokenizer=tokenizer, dtype=DTYPES[dtype], context=context)
+    policy.hf_model.to(device)
+    return policy
+
+
+def _load_hf_folder(folder: Path, *, tokenizer: str | Path | None, dtype: torch.dtype) -> LoadedPolicy:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer_dir = find_tokenizer_dir(tokenizer, candidates=[folder])
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), local_files_only=True, trust_remote_code=False, dtype=dtype
+    ).eval()
+    return LoadedPolicy(model, _load_tokenizer(tokenizer_dir), model.config, f"hf:{folder.resolve()}")
+
+
+def _checkpoint_run_dir(directory: Path) -> Path:
+    """A bootstrap cache entry keeps its checkpoints one level down."""
+    nested = directory / "checkpoints"
+    if nested.is_dir() and not (directory / "manifest.json").is_file() and not (directory / "latest").is_file():
+        return nested
+    return directory
+
+
+def _load_winnow_checkpoint(
+    directory: Path, *, tokenizer: str | Path | None, dtype: torch.dtype, context
+) -> LoadedPolicy:
+    from pipeline.checkpoint.tool import resolve_checkpoint
+    from pipeline.models.spec import ModelSpec
+
+    try:
+        step_dir = resolve_checkpoint(_checkpoint_run_dir(directory))
+    except UserError as error:
+        raise PolicyError(
+            f"policy {directory}: not a Hugging Face folder (no config.json with weights) and not a usable "
+            f"winnow checkpoint: {error}"
+        ) from error
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    if not isinstance(manifest.get("model_spec"), dict):
+        raise PolicyError(f"{step_dir / 'manifest.json'} records no model_spec; the checkpoint cannot be rebuilt")
+    try:
+        spec = ModelSpec(**manifest["model_spec"])
+    except (TypeError, ValueError) as error:
+        raise PolicyError(f"{step_dir / 'manifest.json'}: invalid model_spec: {error}") from error
+    run_dir = step_dir.parent
+    candidates = []
+    if isinstance(manifest.get("tokenizer"), str):
+        candidates.append((step_dir / manifest["tokenizer"]).resolve())
+    candidates += [step_dir / _TOKENIZER_DIR, run_dir / _TOKENIZER_DIR, run_dir.parent / _TOKENIZER_DIR]
+    tokenizer_dir = find_tokenizer_dir(tokenizer, candidates=candidates)
+    model = _megatron_weights_as_hf(step_dir, spec=spec, context=context).to(dtype)
+    return LoadedPolicy(model, _load_tokenizer(tokenizer_dir), spec, f"megatron:{step_dir.resolve()}")
+
+
+def _megatron_weights_as_hf(step_dir: Path, *, spec, context) -> torch.nn.Module:
+    from pipeline.checkpoint.convert import copy_into_model, megatron_to_hf_state
+    from pipeline.checkpoint.hf_map import MegatronLayout
+    from pipeline.checkpoint.tool import load_model_weights
+    from pipeline.models.factory import build_gpt_model
+    from pipeline.models.layer_spec import select_layer_spec
+    from pipeline.parallel.context import ParallelContext
+    from pipeline.rollout.weight_sync import build_hf_model
+    from pipeline.stages.bootstrap import _single_process_rendezvous
+
+    owned = context is None
+    if owned:
+        if torch.distributed.is_initialized():
+            raise PolicyError(
+                "this process already runs torch.distributed; pass its one-rank ParallelContext as context="
+            )
+        context = ParallelContext.initialize(
+            tensor_parallel=1, pipeline_parallel=1, seed=0, backend="gloo", **_single_process_rendezvous()
+        )
+    try:
+        if (context.world_size, context.tensor_parallel, context.pipeline_parallel) != (1, 1, 1):
+            raise PolicyError(
+                f"loading a policy for evaluation needs a one-rank context, got world size {context.world_size} "
+                f"(TP={context.tensor_parallel}, PP={context.pipeline_parallel})"
+            )
+        # The local spec everywhere: its checkpoint keys equal Transformer Engine's, and
+        # the converted HF model runs on any machine.
+        module = build_gpt_model(spec, parallel_context=context, layer_spec=select_layer_spec(spec, prefer_te=False))
+        load_model_weights(step_dir, module)
+        state = {
+            name: tensor.detach() for name, tensor in module.state_dict().items() if not name.endswith("_extra_state")
+        }
+        hf_model = build_hf_model(spec)
+        copy_into_model(hf_model, megatron_to_hf_state([[state]], spec=spec, layout=MegatronLayout.build(spec)))
+        del module, state
+    finally:
+        if owned:
+            context.destroy()
+    return hf_model.eval()
