@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline import configlib
-from pipeline.config import BootstrapConfig, DataInspectConfig, DemoConfig, EvaluateConfig, RLConfig
+from pipeline.config import BootstrapConfig, CurateConfig, DataInspectConfig, DemoConfig, EvaluateConfig, RLConfig
 from pipeline.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -23,6 +23,7 @@ EXIT_USER_ERROR = 2
 # Stage name → its config dataclass (used by `winnow config show|docs`).
 STAGE_CONFIGS: dict[str, type] = {
     "bootstrap": BootstrapConfig,
+    "curate": CurateConfig,
     "data-inspect": DataInspectConfig,
     "demo": DemoConfig,
     "evaluate": EvaluateConfig,
@@ -158,10 +159,12 @@ def _convert_commands() -> list[Command]:
     ]
 
 
-def _evaluate_commands() -> list[Command]:
-    from pipeline.stages import evaluate
+def _stage_commands_with_own_arguments() -> list[Command]:
+    from pipeline.stages import curate, evaluate
 
     return [
+        Command("curate", "sample k answers per prompt, grade them, keep prompts of useful difficulty",
+                curate.add_curate_arguments, curate.run_curate_command),
         Command("evaluate", "sampled pass@1…pass@32 of a policy on benchmarks, sharded and resumable",
                 evaluate.add_evaluate_arguments, evaluate.run_evaluate_command),
         Command("evaluate-compare", "two evaluation runs side by side: B − A with bootstrap intervals",
@@ -198,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="RL post-training for reasoning LLMs: curate → train estimator → RL → evaluate → export.",
     )
     groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
-    for command in [*STAGES, *_evaluate_commands()]:
+    for command in [*STAGES, *_stage_commands_with_own_arguments()]:
         command_parser = groups.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(command_parser)
         command_parser.set_defaults(handler=command.run)

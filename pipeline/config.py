@@ -328,3 +328,73 @@ class EvaluateConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", help="dtype the policy runs in")
     device: Literal["auto", "cpu", "cuda"] = option("auto", help="where the policy runs (auto: CUDA when available)")
     progress: bool = option(True, help="show a progress bar per benchmark")
+
+
+@dataclass(kw_only=True, slots=True)
+class CurateRulesConfig:
+    """The curation rules, applied in the fixed order of ``pipeline.stages.curate_rules``."""
+
+    verify_reference: bool = option(
+        True, help="drop prompts whose reference answer, as \\boxed{answer}, does not grade correct against itself"
+    )
+    dedup: bool = option(
+        True, help="drop later prompts whose normalized problem text (NFKC, case-folded, whitespace) was already kept"
+    )
+    trivial_threshold: float | None = option(
+        0.375, ge=0.0, le=1.0,
+        help="drop prompts whose pass rate c/k is above this (Reinforce-Ada: 0.375); null keeps all",
+    )
+    drop_impossible: bool = option(True, help="drop prompts with no correct sample")
+    hard_subset: tuple[int, int] | None = option(
+        None,
+        help="[min_correct, max_correct]: keep only prompts with this many correct of k (Reinforce-Ada: [1, 2] of 16)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.hard_subset is not None and not 0 <= self.hard_subset[0] <= self.hard_subset[1]:
+            raise ConfigError(f"hard_subset: {list(self.hard_subset)} must be [min, max] with 0 <= min <= max")
+
+
+@dataclass(kw_only=True, slots=True)
+class CurateConfig:
+    """`winnow curate`: sample k answers per prompt from the base policy, grade, keep the useful prompts."""
+
+    sources: list[str] = option(
+        default_factory=lambda: [f"arith?difficulty={d}&size=500" for d in (2, 3, 4, 5)],
+        help="prompt sources: benchmark names, synthetic specs or .jsonl/.parquet paths",
+    )
+    split: str | None = option(
+        None, help="split of every non-file source (null: each source's default, train for synthetic)"
+    )
+    limit: int | None = option(None, ge=1, help="use at most this many prompts per source")
+    on_bad_row: Literal["fail", "skip"] = option(
+        "fail", help="malformed rows: fail naming file and line, or skip and count"
+    )
+    policy: str | None = option(
+        None, help="the policy to sample from: a Hugging Face folder or a winnow checkpoint directory (required)"
+    )
+    tokenizer: str | None = option(None, help="tokenizer folder (null: the policy's own)")
+    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", help="dtype the policy is loaded in")
+    device: str = option("auto", help="device to generate on: auto (cuda when available), cpu, cuda, cuda:1, ...")
+    num_samples: int = option(16, ge=1, help="k: responses sampled per prompt")
+    temperature: float = option(1.0, ge=0.0, help="sampling temperature (0: greedy)")
+    top_p: float = option(1.0, gt=0.0, le=1.0, help="nucleus sampling threshold")
+    max_new_tokens: int = option(
+        4096, ge=1, help="generation length limit; prompts longer than the context minus this are dropped (too_long)"
+    )
+    seed: int = option(
+        0, help="seed of the synthetic sources and of sampling (shard i samples with a seed from (seed, i))"
+    )
+    rules: CurateRulesConfig = section(CurateRulesConfig, help="which prompts to keep")
+    reward: RewardConfig = section(RewardConfig, help="grading pool")
+    output_dir: str = option("runs/curate", help="where shards, pass rates, kept prompts and the report are written")
+    shard_size: int = option(512, ge=1, help="prompts per shard: the unit of generation, atomic writes and resume")
+    template: Literal["raw", "plain", "chat"] = option("plain", help="prompt template (see pipeline.data.templates)")
+    progress: bool = option(True, help="show progress bars")
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ConfigError("sources: needs at least one source")
+        if self.rules.hard_subset is not None and self.rules.hard_subset[0] > self.num_samples:
+            raise ConfigError(f"rules.hard_subset: min_correct {self.rules.hard_subset[0]} exceeds "
+                              f"num_samples={self.num_samples}, so no prompt could be kept")

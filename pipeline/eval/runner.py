@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.data import Prompt, render_prompt
+from pipeline.data import Prompt
 from pipeline.eval.passk import summarize
-from pipeline.models.tokenizer import encode_prompt
+from pipeline.models.tokenizer import prompt_token_ids
 from pipeline.rollout.types import GenerationRequest, SamplingParams
 
 
@@ -41,7 +41,7 @@ def sample_and_grade(
     """Generate ``num_samples`` responses per prompt, grade them, count the correct ones."""
     requests = [
         GenerationRequest(prompt_id=prompt.id,
-                          prompt_token_ids=encode_prompt(tokenizer, render_prompt(prompt, template=template, tokenizer=tokenizer)),
+                          prompt_token_ids=prompt_token_ids(tokenizer, prompt, template=template),
                           num_samples=num_samples)
         for prompt in prompts
     ]

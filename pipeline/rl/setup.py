@@ -12,10 +12,10 @@ import torch
 
 from pipeline import configlib
 from pipeline.config import RLConfig
-from pipeline.data import Prompt, load_prompts, render_prompt
+from pipeline.data import Prompt, load_prompts
 from pipeline.metrics import MetricsWriter
 from pipeline.models.spec import ModelSpec
-from pipeline.models.tokenizer import encode_prompt, load_tokenizer
+from pipeline.models.tokenizer import load_tokenizer, prompt_token_ids
 from pipeline.rl.methods import Methods, build_methods
 from pipeline.rl.stream import PromptStream
 from pipeline.stats.store import PromptStatsStore
@@ -135,7 +135,7 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
         loaded, _ = load_prompts(spec_text, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.data.seed,
                                  on_bad_row=cfg.data.on_bad_row, max_field_chars=cfg.data.max_field_chars)
         prompts.extend(loaded)
-    prompt_token_ids = [encode_prompt(tokenizer, render_prompt(p, template=cfg.data.template)) for p in prompts]
+    prompt_token_ids = [prompt_token_ids(tokenizer, p, template=cfg.data.template) for p in prompts]
     budget = spec.max_position_embeddings - cfg.max_new_tokens
     too_long = [p.id for p, ids in zip(prompts, prompt_token_ids) if len(ids) > budget]
     if too_long:

@@ -21,10 +21,10 @@ from pipeline.config import DemoConfig
 
 
 def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
-    from pipeline.data import load_prompts, render_prompt
+    from pipeline.data import load_prompts
     from pipeline.eval.runner import sample_and_grade, score
     from pipeline.models.spec import ModelSpec
-    from pipeline.models.tokenizer import encode_prompt, load_tokenizer
+    from pipeline.models.tokenizer import load_tokenizer, prompt_token_ids
     from pipeline.parallel.context import ParallelContext
     from pipeline.rewards import GradingPool
     from pipeline.rollout.local import LocalEngine
@@ -86,7 +86,7 @@ def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
 
     out("[4/4] train/rollout log-prob agreement on sampled tokens")
     checked = list(sampled.values())
-    prompt_ids = [encode_prompt(tokenizer, render_prompt(r.prompt, template=TEMPLATE)) for r in checked]
+    prompt_ids = [prompt_token_ids(tokenizer, r.prompt, template=TEMPLATE) for r in checked]
     completions = engine.generate(
         [GenerationRequest(prompt_id=r.prompt.id, prompt_token_ids=ids, num_samples=1) for r, ids in zip(checked, prompt_ids)],
         params,
@@ -103,9 +103,8 @@ def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
 
 def _fitting(prompts, tokenizer, *, budget: int):
     """Prompts whose encoding fits ``budget`` tokens, and how many did not."""
-    from pipeline.data import render_prompt
-    from pipeline.models.tokenizer import encode_prompt
+    from pipeline.models.tokenizer import prompt_token_ids
     from pipeline.stages.bootstrap import TEMPLATE
 
-    kept = [p for p in prompts if len(encode_prompt(tokenizer, render_prompt(p, template=TEMPLATE))) <= budget]
+    kept = [p for p in prompts if len(prompt_token_ids(tokenizer, p, template=TEMPLATE)) <= budget]
     return kept, len(prompts) - len(kept)

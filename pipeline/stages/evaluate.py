@@ -111,8 +111,8 @@ def _split_for(spec: str, split: str) -> str | None:
 
 def plan_benchmark(spec: str, *, cfg: EvaluateConfig, tokenizer, max_positions: int | None) -> BenchmarkPlan:
     """Load ``spec``, set aside the problems too long for the model, and shard the rest."""
-    from pipeline.data import load_prompts, render_prompt
-    from pipeline.models.tokenizer import encode_prompt
+    from pipeline.data import load_prompts
+    from pipeline.models.tokenizer import prompt_token_ids
 
     prompts, _ = load_prompts(spec, split=_split_for(spec, cfg.eval.split), limit=cfg.eval.limit)
     kept = prompts
@@ -120,7 +120,7 @@ def plan_benchmark(spec: str, *, cfg: EvaluateConfig, tokenizer, max_positions: 
         budget = max_positions - cfg.eval.max_new_tokens
         kept = [
             p for p in prompts
-            if len(encode_prompt(tokenizer, render_prompt(p, template=cfg.template, tokenizer=tokenizer))) <= budget
+            if len(prompt_token_ids(tokenizer, p, template=cfg.template)) <= budget
         ]
     shards = [kept[start : start + cfg.shard_size] for start in range(0, len(kept), cfg.shard_size)]
     return BenchmarkPlan(spec, benchmark_directory(spec), len(prompts), len(prompts) - len(kept), shards)

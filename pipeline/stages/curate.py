@@ -1,0 +1,662 @@
+"""`winnow curate`: measure every prompt's difficulty under the base policy and keep the useful ones.
+
+Reinforce-Ada (``/work/shared/papers/reinforce-ada-adaptive-sampling.txt``, "Reinforce-Ada:
+An Adaptive Sampling Framework under Non-linear RL Objectives", §4.1 "Data Curation and
+Verifier", App. C.1) curates its training set before RL; this stage does the same, in the
+rule order of ``pipeline.stages.curate_rules`` (read its docstring for the rules and the
+choices the paper leaves open):
+
+1. load every source (``load_prompts``; ids must be unique across sources);
+2. screen without generating: the reference answer must verify against itself, and
+   normalized problem texts are deduplicated;
+3. load the policy (``pipeline.eval.policy.load_policy``: a Hugging Face folder or a winnow
+   checkpoint) and drop prompts that do not fit its context with ``max_new_tokens``;
+4. sample k = ``num_samples`` responses per remaining prompt with the local engine and
+   grade them in the bounded pool, shard by shard. Each shard is written atomically
+   (``shards/shard_00003.parquet``) and samples with a seed derived from
+   ``(seed, shard index)``, so a restarted run skips the completed shards and ends with
+   exactly the files of an uninterrupted one;
+5. drop trivial, impossible and (optionally) outside-hard-subset prompts by pass rate and
+   write the results.
+
+Outputs under ``output_dir``:
+
+    shards/shard_XXXXX.parquet  id, source, problem, answer, metadata (JSON), n, c, pass_rate,
+                                difficulty, num_generated_tokens — one row per sampled prompt
+    pass_rates.parquet          every loaded prompt: id, spec (its entry of ``sources``), source, n, c,
+                                pass_rate (null when not sampled), difficulty, kept, drop_reason
+                                (null when kept)
+    kept.jsonl                  the kept prompts in the loaders' JSONL format: ``{"id", "problem",
+                                "answer", **metadata}``, read back by ``load_prompts(path)``
+    report.md, difficulty.png   counts per rule, difficulty histograms before/after
+    manifest.json               config, versions, timings, counts, shard status; written last,
+                                so its presence marks a complete curation
+
+A shard records a fingerprint of what determines its samples: the policy's exact weights
+(``LoadedPolicy.source``), tokenizer, sampling options, shard size, template, dtype, the
+grading limits and the whole list of prompts to sample. A shard with another fingerprint
+is an error, never silently mixed in. The rules' thresholds are not part of it: rerunning
+with other thresholds re-applies the rules to the stored shards without generating.
+Samples are reproducible on one device type (CPU and GPU kernels differ in the last bits).
+
+``load_curation(output_dir)`` reads a finished curation back as a ``CurationResult``: the
+per-prompt ``(n, c)`` that seed the statistics store, E3 ranks, Ada-Est priors and the
+difficulty estimator's first training set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from pipeline import configlib
+from pipeline.config import CurateConfig
+from pipeline.configlib import ConfigError
+from pipeline.errors import UserError
+from pipeline.models.tokenizer import prompt_token_ids
+
+# ================================================================ outputs
+
+SHARDS_DIR = "shards"
+PASS_RATES_FILE = "pass_rates.parquet"
+KEPT_FILE = "kept.jsonl"
+MANIFEST_FILE = "manifest.json"
+REPORT_FILE = "report.md"
+PLOT_FILE = "difficulty.png"
+FORMAT_VERSION = 1
+_SHARD_METADATA_KEY = b"winnow.curate"
+_RESERVED_KEYS = ("id", "problem", "answer")  # kept.jsonl's own fields; metadata may not shadow them
+
+
+class CurationError(UserError):
+    """An output directory that does not fit this run, or a curation that is missing or incomplete."""
+
+
+@dataclass(frozen=True, slots=True)
+class CurationResult:
+    """Per-prompt curation outcome, every loaded prompt in load order (P of them).
+
+    ``num_samples``/``num_correct`` are 0 and ``pass_rates`` NaN for prompts dropped before
+    sampling (``drop_reasons`` says why); ``drop_reasons`` is ``""`` for kept prompts.
+    """
+
+    output_dir: Path
+    prompt_ids: list[str]
+    specs: list[str]  # the entry of ``CurateConfig.sources`` each prompt came from
+    sources: list[str]  # ``Prompt.source``
+    num_samples: np.ndarray  # (P,) int64: n
+    num_correct: np.ndarray  # (P,) int64: c
+    pass_rates: np.ndarray  # (P,) float64: c / n, NaN where n == 0
+    kept_mask: np.ndarray  # (P,) bool
+    drop_reasons: list[str]
+    samples_per_prompt: int  # k of the run
+    counts: dict[str, int]  # total, each rule, kept
+
+    @property
+    def sampled_mask(self) -> np.ndarray:
+        return self.num_samples > 0  # (P,)
+
+    @property
+    def kept_ids(self) -> list[str]:
+        return [prompt_id for prompt_id, kept in zip(self.prompt_ids, self.kept_mask) if kept]
+
+    @property
+    def kept_path(self) -> Path:
+        return self.output_dir / KEPT_FILE
+
+
+@dataclass(frozen=True, slots=True)
+class _Shard:
+    index: int
+    prompts: list  # list[Prompt]
+    seed: int
+    path: Path
+
+
+# ================================================================ the stage
+
+
+def run_curate(cfg: CurateConfig, *, context=None, out: Callable[[str], Any] = print) -> CurationResult:
+    """Run the curation described by ``cfg`` (see the module docstring); resumes from completed shards.
+
+    ``context``: an existing one-rank ``ParallelContext`` for loading a winnow checkpoint in
+    a process that already runs ``torch.distributed`` (see ``load_policy``).
+    """
+    from pipeline.eval.policy import load_policy
+    from pipeline.rewards import GradingPool
+    from pipeline.stages import curate_rules as rules
+
+    if cfg.policy is None:
+        raise ConfigError("policy: required; a Hugging Face folder or a winnow checkpoint directory")
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    output_dir = Path(cfg.output_dir)
+    (output_dir / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+    # The manifest marks a complete curation; outputs are about to be rewritten.
+    (output_dir / MANIFEST_FILE).unlink(missing_ok=True)
+
+    out(f"[1/5] load {len(cfg.sources)} source(s)")
+    phase = time.perf_counter()
+    prompts, specs, source_reports = _load_sources(cfg)
+    out(f"      {len(prompts):,} prompts")
+    timings["load_s"] = time.perf_counter() - phase
+
+    with GradingPool(**cfg.reward.pool_kwargs()) as pool:
+        out("[2/5] screen: reference answers verify, duplicates")
+        phase = time.perf_counter()
+        drop_reasons, screen_metrics = rules.screen_prompts(
+            problems=[p.problem for p in prompts], answers=[p.answer for p in prompts],
+            verify_reference=cfg.rules.verify_reference, deduplicate=cfg.rules.dedup, grade_batch=pool.grade_batch,
+        )
+        timings["screen_s"] = time.perf_counter() - phase
+
+        out(f"[3/5] load the policy {cfg.policy}")
+        phase = time.perf_counter()
+        policy = load_policy(cfg.policy, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=_device(cfg.device),
+                             context=context)
+        alive_index = np.flatnonzero(drop_reasons == rules.KEPT)  # (A,)
+        fits_mask = _fits_context([prompts[i] for i in alive_index], policy=policy, cfg=cfg)  # (A,)
+        drop_reasons, _ = rules.apply_rule(drop_reasons, fits_mask, rule=rules.TOO_LONG)
+        to_sample_index = np.flatnonzero(drop_reasons == rules.KEPT)  # (S,)
+        timings["policy_s"] = time.perf_counter() - phase
+        screened = rules.count_reasons(drop_reasons)
+        out(f"      {policy.source}; dropped {screened[rules.REFERENCE_FAILS]:,} failing references, "
+            f"{screened[rules.DUPLICATE]:,} duplicates, {screened[rules.TOO_LONG]:,} too long")
+
+        to_sample = [prompts[i] for i in to_sample_index]
+        fingerprint = _fingerprint(cfg, policy_source=policy.source, prompts=to_sample)
+        shards = _plan_shards(to_sample, cfg=cfg, output_dir=output_dir)
+        _check_existing_shards(output_dir / SHARDS_DIR, fingerprint=fingerprint)
+        out(f"[4/5] sample k={cfg.num_samples} for {len(to_sample):,} prompts in {len(shards)} shard(s) "
+            f"(T={cfg.temperature}, top_p={cfg.top_p}, {cfg.max_new_tokens} new tokens)")
+        phase = time.perf_counter()
+        tables, shard_status = _sample_shards(shards, policy=policy, pool=pool, cfg=cfg, fingerprint=fingerprint)
+        timings["sampling_s"] = time.perf_counter() - phase
+    num_reused = sum(status["status"] == "reused" for status in shard_status)
+    out(f"      {len(shards) - num_reused} shard(s) generated, {num_reused} reused")
+
+    out("[5/5] apply the rules, write the results")
+    phase = time.perf_counter()
+    num_samples = np.zeros(len(prompts), dtype=np.int64)  # (P,)
+    num_correct = np.zeros(len(prompts), dtype=np.int64)  # (P,)
+    num_tokens = np.zeros(len(prompts), dtype=np.int64)  # (P,)
+    if tables:
+        import pyarrow as pa
+
+        sampled = pa.concat_tables(tables)
+        assert sampled.column("id").to_pylist() == [p.id for p in to_sample]
+        num_samples[to_sample_index] = sampled.column("n").to_numpy()
+        num_correct[to_sample_index] = sampled.column("c").to_numpy()
+        num_tokens[to_sample_index] = sampled.column("num_generated_tokens").to_numpy()
+    drop_reasons, select_metrics = rules.select_by_pass_rate(
+        drop_reasons, num_samples=num_samples, num_correct=num_correct,
+        trivial_threshold=cfg.rules.trivial_threshold, drop_impossible_prompts=cfg.rules.drop_impossible,
+        hard_subset_range=cfg.rules.hard_subset,
+    )
+    result = CurationResult(
+        output_dir=output_dir, prompt_ids=[p.id for p in prompts], specs=specs, sources=[p.source for p in prompts],
+        num_samples=num_samples, num_correct=num_correct, pass_rates=_pass_rates(num_samples, num_correct),
+        kept_mask=drop_reasons == rules.KEPT, drop_reasons=drop_reasons.tolist(),
+        samples_per_prompt=cfg.num_samples, counts=rules.count_reasons(drop_reasons),
+    )
+    _write_pass_rates(output_dir / PASS_RATES_FILE, result)
+    _write_kept(output_dir / KEPT_FILE, [p for p, kept in zip(prompts, result.kept_mask) if kept])
+    histograms = _difficulty_histograms(result)
+    report = _report(cfg, result, histograms=histograms, policy_source=policy.source)
+    _atomic_write_text(output_dir / REPORT_FILE, report)
+    _plot_pass_rates(output_dir / PLOT_FILE, result, trivial_threshold=cfg.rules.trivial_threshold)
+    timings["outputs_s"] = time.perf_counter() - phase
+    timings["total_s"] = time.perf_counter() - started
+    manifest = {
+        "format": FORMAT_VERSION,
+        "config": configlib.to_dict(cfg),
+        "versions": _versions(),
+        "policy": policy.source,
+        "fingerprint": fingerprint,
+        "timings": timings,
+        "counts": result.counts,
+        "rule_metrics": {**screen_metrics, **select_metrics},
+        "difficulty": histograms,
+        "num_generated_tokens": int(num_tokens.sum()),
+        "sources": source_reports,
+        "shards": shard_status,
+        "outputs": {"pass_rates": PASS_RATES_FILE, "kept": KEPT_FILE, "report": REPORT_FILE, "plot": PLOT_FILE,
+                    "shards": SHARDS_DIR},
+    }
+    _atomic_write_text(output_dir / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+    out(f"done in {timings['total_s']:.1f} s: {result.counts['kept']:,} of {result.counts['total']:,} prompts kept")
+    return result
+
+
+def load_curation(output_dir: str | Path) -> CurationResult:
+    """Read a finished curation (``manifest.json`` present) back from ``output_dir``."""
+    import pyarrow.parquet as pq
+
+    output_dir = Path(output_dir)
+    manifest_path = output_dir / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise CurationError(f"{output_dir}: no complete curation here ({MANIFEST_FILE} is missing; "
+                            "run `winnow curate` to finish it)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CurationError(f"{manifest_path}: format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}")
+    table = pq.read_table(output_dir / PASS_RATES_FILE)
+    num_samples = table.column("n").to_numpy().astype(np.int64)
+    num_correct = table.column("c").to_numpy().astype(np.int64)
+    reasons = [reason or "" for reason in table.column("drop_reason").to_pylist()]
+    return CurationResult(
+        output_dir=output_dir,
+        prompt_ids=table.column("id").to_pylist(),
+        specs=table.column("spec").to_pylist(),
+        sources=table.column("source").to_pylist(),
+        num_samples=num_samples,
+        num_correct=num_correct,
+        pass_rates=_pass_rates(num_samples, num_correct),
+        kept_mask=table.column("kept").to_numpy(zero_copy_only=False).astype(bool),
+        drop_reasons=reasons,
+        samples_per_prompt=int(manifest["config"]["num_samples"]),
+        counts={key: int(value) for key, value in manifest["counts"].items()},
+    )
+
+
+# ================================================================ CLI
+
+
+def add_curate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="YAML", help="a YAML file of options to load first")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides applied last, e.g. policy=runs/sft num_samples=8 "
+                             "rules.hard_subset=[1,2]")
+
+
+def run_curate_command(args: argparse.Namespace) -> int:
+    """`winnow curate [--config YAML] [key=value ...]`: run, then print the counts and where the outputs are."""
+    cfg = configlib.load(CurateConfig, yaml_path=args.config, overrides=args.overrides)
+    result = run_curate(cfg)
+    print(format_counts(result.counts))
+    for name in (KEPT_FILE, PASS_RATES_FILE, REPORT_FILE, PLOT_FILE, MANIFEST_FILE):
+        print(f"  {name:<20} {result.output_dir / name}")
+    return 0
+
+
+def format_counts(counts: dict[str, int]) -> str:
+    """The counts per rule as a text table: prompts each rule dropped and how many remain after it."""
+    from pipeline.stages.curate_rules import RULE_ORDER
+
+    rows = [("loaded", "", counts["total"])]
+    remaining = counts["total"]
+    for rule in RULE_ORDER:
+        remaining -= counts[rule]
+        rows.append((rule, f"{counts[rule]:,}", remaining))
+    rows.append(("kept", "", counts["kept"]))
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"{'rule':<{width}}  {'dropped':>9}  {'remaining':>9}"]
+    lines += [f"{name:<{width}}  {dropped:>9}  {left:>9,}" for name, dropped, left in rows]
+    return "\n".join(lines)
+
+
+# ================================================================ steps
+
+
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _load_sources(cfg: CurateConfig) -> tuple[list, list[str], list[dict[str, Any]]]:
+    """All prompts in source order, the spec each came from, and each source's load report.
+
+    Ids must be unique across sources: they key every per-prompt record downstream.
+    """
+    from pipeline.data import load_prompts, parse_spec
+
+    prompts: list = []
+    specs: list[str] = []
+    reports: list[dict[str, Any]] = []
+    source_of_id: dict[str, str] = {}
+    for spec in cfg.sources:
+        split = None if parse_spec(spec).kind == "file" else cfg.split
+        loaded, report = load_prompts(spec, split=split, limit=cfg.limit, seed=cfg.seed, on_bad_row=cfg.on_bad_row)
+        for prompt in loaded:
+            if prompt.id in source_of_id:
+                raise CurationError(f"prompt id {prompt.id!r} appears in {source_of_id[prompt.id]!r} and in {spec!r}; "
+                                    "ids must be unique across sources")
+            source_of_id[prompt.id] = spec
+            shadowed = [key for key in _RESERVED_KEYS if key in prompt.metadata]
+            if shadowed:
+                raise CurationError(f"{spec}: prompt {prompt.id!r} has metadata key {shadowed[0]!r}, "
+                                    f"which kept.jsonl uses for the prompt itself")
+            try:
+                json.dumps(prompt.metadata)
+            except (TypeError, ValueError) as error:
+                raise CurationError(f"{spec}: prompt {prompt.id!r} has metadata that is not JSON: {error}") from None
+        prompts.extend(loaded)
+        specs.extend([spec] * len(loaded))
+        reports.append({"spec": spec, "num_prompts": len(loaded), "report": report.as_dict()})
+    return prompts, specs, reports
+
+
+def _fits_context(prompts: Sequence, *, policy, cfg: CurateConfig) -> np.ndarray:
+    """``(A,)`` bool: prompt + ``max_new_tokens`` fits the model's context (the engine refuses more)."""
+    context = policy.max_position_embeddings
+    if context is None:
+        return np.ones(len(prompts), dtype=bool)
+    lengths = np.array([len(prompt_token_ids(policy.tokenizer, p, template=cfg.template)) for p in prompts],
+                       dtype=np.int64)
+    return lengths + cfg.max_new_tokens <= context
+
+
+def _fingerprint(cfg: CurateConfig, *, policy_source: str, prompts: Sequence) -> str:
+    """What determines the shards' samples: the exact weights, sampling and grading options, the prompts."""
+    digest = hashlib.sha256()
+    options = {
+        "policy": policy_source, "tokenizer": cfg.tokenizer, "dtype": cfg.dtype, "num_samples": cfg.num_samples,
+        "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
+        "shard_size": cfg.shard_size, "template": cfg.template,
+        "max_response_chars": cfg.reward.max_response_chars, "max_answer_chars": cfg.reward.max_answer_chars,
+    }
+    digest.update(json.dumps(options, sort_keys=True).encode())
+    for prompt in prompts:
+        digest.update(json.dumps([prompt.id, prompt.problem, prompt.answer]).encode() + b"\n")
+    return digest.hexdigest()[:24]
+
+
+def shard_seed(seed: int, shard_index: int) -> int:
+    """The sampling seed of one shard: a hash of ``(seed, shard_index)`` in [0, 2^63)."""
+    digest = hashlib.sha256(f"winnow.curate|{seed}|{shard_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _plan_shards(prompts: Sequence, *, cfg: CurateConfig, output_dir: Path) -> list[_Shard]:
+    return [
+        _Shard(index=index, prompts=list(prompts[start : start + cfg.shard_size]), seed=shard_seed(cfg.seed, index),
+               path=output_dir / SHARDS_DIR / f"shard_{index:05d}.parquet")
+        for index, start in enumerate(range(0, len(prompts), cfg.shard_size))
+    ]
+
+
+def _shard_metadata(path: Path) -> dict[str, Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError) as error:
+        raise CurationError(f"{path}: not a readable shard ({error}); delete it to regenerate it") from None
+    if _SHARD_METADATA_KEY not in metadata:
+        raise CurationError(f"{path}: not a curation shard (no {_SHARD_METADATA_KEY.decode()} metadata)")
+    return json.loads(metadata[_SHARD_METADATA_KEY])
+
+
+def _check_existing_shards(shards_dir: Path, *, fingerprint: str) -> None:
+    """Refuse to mix in shards another curation (other policy, options or prompts) wrote."""
+    for path in sorted(shards_dir.glob("shard_*.parquet")):
+        found = _shard_metadata(path).get("fingerprint")
+        if found != fingerprint:
+            raise CurationError(
+                f"{path} was written by another curation (fingerprint {found}, this run {fingerprint}): the policy, "
+                "sampling or grading options, shard size or prompts differ. Use a new output_dir, or delete "
+                f"{shards_dir} to start over"
+            )
+
+
+def _sample_shards(shards: list[_Shard], *, policy, pool, cfg: CurateConfig, fingerprint: str):
+    """Each shard's table (read back when complete, else generated and written), and its status."""
+    import pyarrow.parquet as pq
+    from tqdm.auto import tqdm
+
+    from pipeline.eval.runner import sample_and_grade
+    from pipeline.rollout.local import LocalEngine
+    from pipeline.rollout.types import SamplingParams
+
+    engine = None
+    tables, status = [], []
+    for shard in tqdm(shards, desc="curate shards", unit="shard", disable=not cfg.progress, leave=False):
+        started = time.perf_counter()
+        if shard.path.is_file():
+            table = pq.read_table(shard.path)
+            if table.column("id").to_pylist() != [p.id for p in shard.prompts]:
+                raise CurationError(f"{shard.path}: holds other prompts than shard {shard.index} of this run")
+            state = "reused"
+        else:
+            if engine is None:
+                engine = LocalEngine(policy.hf_model, eos_token_ids=_eos_token_ids(policy),
+                                     pad_token_id=policy.tokenizer.pad_token_id, show_progress=cfg.progress)
+            params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                    top_p=cfg.top_p, seed=shard.seed)
+            results = sample_and_grade(engine=engine, tokenizer=policy.tokenizer, prompts=shard.prompts,
+                                       num_samples=cfg.num_samples, params=params, pool=pool, template=cfg.template)
+            table = _shard_table(results, shard=shard, fingerprint=fingerprint)
+            _atomic_write_parquet(shard.path, table)
+            state = "generated"
+        tables.append(table)
+        status.append({"index": shard.index, "file": f"{SHARDS_DIR}/{shard.path.name}",
+                       "num_prompts": len(shard.prompts), "seed": shard.seed, "status": state,
+                       "seconds": round(time.perf_counter() - started, 3),
+                       "num_generated_tokens": int(np.sum(table.column("num_generated_tokens").to_numpy()))})
+    return tables, status
+
+
+def _eos_token_ids(policy) -> list[int]:
+    """Stop tokens: the tokenizer's EOS, plus a Hugging Face model's own (instruct models list several).
+
+    A winnow checkpoint's HF config carries only the ``transformers`` default ids, so there
+    the tokenizer alone decides.
+    """
+    ids: set[int] = set()
+    if policy.kind == "hf":
+        for holder in (getattr(policy.hf_model, "generation_config", None), policy.hf_model.config):
+            value = getattr(holder, "eos_token_id", None)
+            if value is not None:
+                ids.update([value] if isinstance(value, int) else value)
+                break
+    if policy.tokenizer.eos_token_id is not None:
+        ids.add(int(policy.tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def _shard_table(results, *, shard: _Shard, fingerprint: str):
+    import pyarrow as pa
+
+    from pipeline.stages.curate_rules import difficulty_names
+
+    n = np.array([r.num_samples for r in results], dtype=np.int64)  # (B,)
+    c = np.array([r.num_correct for r in results], dtype=np.int64)  # (B,)
+    assert [r.prompt.id for r in results] == [p.id for p in shard.prompts]
+    table = pa.table({
+        "id": [r.prompt.id for r in results],
+        "source": [r.prompt.source for r in results],
+        "problem": [r.prompt.problem for r in results],
+        "answer": [r.prompt.answer for r in results],
+        "metadata": [json.dumps(r.prompt.metadata, ensure_ascii=False) for r in results],
+        "n": pa.array(n, pa.int64()),
+        "c": pa.array(c, pa.int64()),
+        "pass_rate": pa.array(c / n, pa.float64()),
+        "difficulty": difficulty_names(n, c),
+        "num_generated_tokens": pa.array([r.num_generated_tokens for r in results], pa.int64()),
+    })
+    metadata = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "shard_index": shard.index, "seed": shard.seed}
+    return table.replace_schema_metadata({_SHARD_METADATA_KEY: json.dumps(metadata).encode()})
+
+
+def _pass_rates(num_samples: np.ndarray, num_correct: np.ndarray) -> np.ndarray:
+    """``(P,)`` c / n, NaN where nothing was sampled."""
+    rates = np.full(num_samples.shape, np.nan)
+    sampled = num_samples > 0
+    rates[sampled] = num_correct[sampled] / num_samples[sampled]
+    return rates
+
+
+# ================================================================ writing
+
+
+def _atomic_write_parquet(path: Path, table) -> None:
+    import pyarrow.parquet as pq
+
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_pass_rates(path: Path, result: CurationResult) -> None:
+    import pyarrow as pa
+
+    from pipeline.stages.curate_rules import DIFFICULTY_BUCKETS, difficulty_bucket
+
+    sampled = result.sampled_mask
+    difficulty: list[str | None] = [None] * len(result.prompt_ids)
+    if sampled.any():
+        buckets = difficulty_bucket(result.num_samples[sampled], result.num_correct[sampled])
+        for index, bucket in zip(np.flatnonzero(sampled), buckets):
+            difficulty[index] = DIFFICULTY_BUCKETS[bucket]
+    table = pa.table({
+        "id": result.prompt_ids,
+        "spec": result.specs,
+        "source": result.sources,
+        "n": pa.array(result.num_samples, pa.int64()),
+        "c": pa.array(result.num_correct, pa.int64()),
+        "pass_rate": pa.array(result.pass_rates, pa.float64(), mask=~sampled),
+        "difficulty": pa.array(difficulty, pa.string()),
+        "kept": pa.array(result.kept_mask, pa.bool_()),
+        "drop_reason": pa.array([reason or None for reason in result.drop_reasons], pa.string()),
+    })
+    _atomic_write_parquet(path, table)
+
+
+def _write_kept(path: Path, prompts: Sequence) -> None:
+    # Flat rows in the loaders' JSONL format: id/problem/answer are read as such and every
+    # other key comes back as metadata, so load_prompts(path) restores the records.
+    lines = [json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer, **p.metadata}, ensure_ascii=False)
+             for p in prompts]
+    _atomic_write_text(path, "".join(line + "\n" for line in lines))
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {"python": platform.python_version()}
+    for package in ("winnow", "torch", "transformers", "math-verify", "numpy", "pyarrow"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions
+
+
+# ================================================================ report
+
+
+def _difficulty_histograms(result: CurationResult) -> dict[str, dict[str, dict[str, int]]]:
+    """Prompts per difficulty bucket and per number correct, over all sampled prompts and over the kept ones."""
+    from pipeline.stages.curate_rules import DIFFICULTY_BUCKETS, difficulty_bucket
+
+    histograms: dict[str, dict[str, dict[str, int]]] = {}
+    for name, mask in (("before", result.sampled_mask), ("after", result.kept_mask & result.sampled_mask)):
+        n, c = result.num_samples[mask], result.num_correct[mask]
+        buckets = Counter(difficulty_bucket(n, c).tolist()) if mask.any() else Counter()
+        correct = Counter(c.tolist())
+        histograms[name] = {
+            "buckets": {bucket: buckets.get(i, 0) for i, bucket in enumerate(DIFFICULTY_BUCKETS)},
+            "num_correct": {str(j): correct.get(j, 0) for j in range(result.samples_per_prompt + 1)},
+        }
+    return histograms
+
+
+def _report(cfg: CurateConfig, result: CurationResult, *, histograms, policy_source: str) -> str:
+    """report.md; holds no timings, so a resumed run writes the same bytes as an uninterrupted one."""
+    from pipeline.stages.curate_rules import RULE_ORDER
+
+    counts = result.counts
+    lines = [
+        "# Curation report",
+        "",
+        f"- policy: `{policy_source}`",
+        f"- sampling: k = {cfg.num_samples}, temperature {cfg.temperature}, top_p {cfg.top_p}, "
+        f"max_new_tokens {cfg.max_new_tokens}, template `{cfg.template}`, seed {cfg.seed}",
+        f"- rules: verify_reference {cfg.rules.verify_reference}, dedup {cfg.rules.dedup}, trivial_threshold "
+        f"{cfg.rules.trivial_threshold}, drop_impossible {cfg.rules.drop_impossible}, hard_subset "
+        f"{list(cfg.rules.hard_subset) if cfg.rules.hard_subset else None}",
+        "- method: Reinforce-Ada §4.1 \"Data Curation and Verifier\" and App. C.1 "
+        "(reinforce-ada-adaptive-sampling.txt)",
+        "",
+        "## Counts per rule",
+        "",
+        "Rules apply in this order; a dropped prompt is counted under the first rule that dropped it.",
+        "",
+        "| rule | dropped | remaining |",
+        "|---|---:|---:|",
+        f"| loaded | | {counts['total']:,} |",
+    ]
+    remaining = counts["total"]
+    for rule in RULE_ORDER:
+        remaining -= counts[rule]
+        lines.append(f"| {rule} | {counts[rule]:,} | {remaining:,} |")
+    lines += [f"| **kept** | | **{counts['kept']:,}** |", "", "## Per source", "",
+              "| source | loaded | sampled | mean pass rate | kept |", "|---|---:|---:|---:|---:|"]
+    specs = np.array(result.specs, dtype=object)
+    for spec in dict.fromkeys(result.specs):
+        mask = specs == spec
+        sampled = mask & result.sampled_mask
+        mean = f"{np.mean(result.pass_rates[sampled]):.3f}" if sampled.any() else "-"
+        lines.append(f"| `{spec}` | {int(mask.sum()):,} | {int(sampled.sum()):,} | {mean} | "
+                     f"{int((mask & result.kept_mask).sum()):,} |")
+    before, after = histograms["before"], histograms["after"]
+    lines += [
+        "", "## Difficulty (Reinforce-Ada App. C.1 levels by pass rate p)", "",
+        "Before: every sampled prompt. After: the kept prompts.", "",
+        "| level | p | before | after |", "|---|---|---:|---:|",
+    ]
+    ranges = {"extremely_hard": "0", "hard": "(0, 0.2]", "medium": "(0.2, 0.5]", "easy": "(0.5, 1]"}
+    for bucket, count in before["buckets"].items():
+        lines.append(f"| {bucket} | {ranges[bucket]} | {count:,} | {after['buckets'][bucket]:,} |")
+    lines += ["", f"## Correct samples out of k = {result.samples_per_prompt}", "",
+              "| correct | before | after |", "|---:|---:|---:|"]
+    for correct, count in before["num_correct"].items():
+        lines.append(f"| {correct} | {count:,} | {after['num_correct'][correct]:,} |")
+    lines += ["", f"![pass-rate histograms]({PLOT_FILE})", ""]
+    return "\n".join(lines)
+
+
+def _plot_pass_rates(path: Path, result: CurationResult, *, trivial_threshold: float | None) -> None:
+    # The object-oriented API with the Agg canvas: no pyplot global state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    k = result.samples_per_prompt
+    edges = (np.arange(k + 2) - 0.5) / k  # one bin per number correct, centred on c / k
+    figure = Figure(figsize=(10, 3.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, 2, sharex=True)
+    panels = (("before: every sampled prompt", result.sampled_mask),
+              ("after: kept prompts", result.kept_mask & result.sampled_mask))
+    for ax, (title, mask) in zip(axes, panels):
+        ax.hist(result.pass_rates[mask], bins=edges, color="tab:blue", edgecolor="white")
+        if trivial_threshold is not None:
+            ax.axvline(trivial_threshold, color="tab:red", linestyle="--", label=f"trivial > {trivial_threshold}")
+            ax.legend(loc="upper right")
+        ax.set_title(f"{title} ({int(mask.sum()):,})")
+        ax.set_xlabel(f"pass rate (correct of k = {k})")
+        ax.set_ylabel("prompts")
+    tmp = path.with_name(path.name + ".tmp")
+    figure.savefig(tmp, format="png", dpi=110)
+    os.replace(tmp, path)
