@@ -135,9 +135,9 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
         loaded, _ = load_prompts(spec_text, split=cfg.data.split, limit=cfg.data.limit, seed=cfg.data.seed,
                                  on_bad_row=cfg.data.on_bad_row, max_field_chars=cfg.data.max_field_chars)
         prompts.extend(loaded)
-    prompt_token_ids = [prompt_token_ids(tokenizer, p, template=cfg.data.template) for p in prompts]
+    encoded_prompts = [prompt_token_ids(tokenizer, p, template=cfg.data.template) for p in prompts]
     budget = spec.max_position_embeddings - cfg.max_new_tokens
-    too_long = [p.id for p, ids in zip(prompts, prompt_token_ids) if len(ids) > budget]
+    too_long = [p.id for p, ids in zip(prompts, encoded_prompts) if len(ids) > budget]
     if too_long:
         raise ValueError(f"data.train: {len(too_long)} prompts (e.g. {too_long[0]}) exceed the model's context "
                          f"of {spec.max_position_embeddings} tokens with max_new_tokens={cfg.max_new_tokens}")
@@ -155,7 +155,7 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
         engine=LocalEngine(build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id, show_progress=False),
         pool=GradingPool(**cfg.reward.pool_kwargs()), tokenizer=tokenizer, prompts=prompts,
-        prompt_token_ids=prompt_token_ids, eval_prompts=eval_prompts, methods=methods,
+        prompt_token_ids=encoded_prompts, eval_prompts=eval_prompts, methods=methods,
         stream=PromptStream(len(prompts), seed=cfg.seed), stats=PromptStatsStore([p.id for p in prompts]),
         ledger=Ledger(), checkpoints=checkpoints, writer=None, start_step=0, output_dir=output_dir,
         extras={"temperature": cfg.temperature},
