@@ -209,25 +209,6 @@ class BootstrapConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class DemoConfig:
-    """`winnow demo`: bootstrap, weight sync and pass@k of the base policy on held-out sets."""
-
-    bootstrap: BootstrapConfig = section(BootstrapConfig, help="the base policy to build or reuse")
-    eval_sets: list[str] = option(
-        default_factory=lambda: [f"arith?difficulty={d}&size={s}" for d, s in ((1, 8), (2, 12), (3, 100), (4, 100), (5, 100))]
-        + ["gsm8k"],
-        help="held-out sets (their test split) to evaluate",
-    )
-    limit: int = option(100, ge=1, help="at most this many problems per set")
-    num_samples: int = option(8, ge=1, help="samples per problem (n of pass@k)")
-    ks: list[int] = option(default_factory=lambda: [1, 2, 4, 8], help="k values of pass@k")
-    temperature: float = option(1.0, gt=0.0, help="sampling temperature")
-    max_new_tokens: int = option(48, ge=1, help="generation length limit")
-    reward: RewardConfig = section(RewardConfig, help="grading pool")
-    seed: int = option(1234, help="sampling seed")
-
-
-@dataclass(kw_only=True, slots=True)
 class D3SConfig:
     num_keep_init: int = option(8, ge=1, help="N_s at the start of training (D³S Eq. 9; Table 6: 8 of G=32)")
     num_keep_final: int = option(32, ge=1, help="N_s at the end of the schedule")
@@ -399,3 +380,29 @@ class CurateConfig:
         if self.rules.hard_subset is not None and self.rules.hard_subset[0] > self.num_samples:
             raise ConfigError(f"rules.hard_subset: min_correct {self.rules.hard_subset[0]} exceeds "
                               f"num_samples={self.num_samples}, so no prompt could be kept")
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    """`winnow demo`: base policy, weight sync, pass@k on held-out sets, then a short RL run."""
+
+    rl: RLConfig = option(
+        default_factory=lambda: RLConfig(
+            steps=30, optim=OptimConfig(lr=1e-4, total_steps=30),
+            checkpoint=CheckpointConfig(directory="runs/demo/rl/checkpoints", every_steps=30, resume="never"),
+            logging=LoggingConfig(output_dir="runs/demo/rl"),
+        ),
+        help="the short GRPO run at the end; rl.bootstrap is the base policy every step uses",
+    )
+    eval_sets: list[str] = option(
+        default_factory=lambda: [f"arith?difficulty={d}&size={s}" for d, s in ((1, 8), (2, 12), (3, 100), (4, 100), (5, 100))]
+        + ["gsm8k"],
+        help="held-out sets (their test split) to evaluate",
+    )
+    limit: int = option(100, ge=1, help="at most this many problems per set")
+    num_samples: int = option(8, ge=1, help="samples per problem (n of pass@k)")
+    ks: list[int] = option(default_factory=lambda: [1, 2, 4, 8], help="k values of pass@k")
+    temperature: float = option(1.0, gt=0.0, help="sampling temperature")
+    max_new_tokens: int = option(48, ge=1, help="generation length limit")
+    reward: RewardConfig = section(RewardConfig, help="grading pool")
+    seed: int = option(1234, help="sampling seed")

@@ -38,17 +38,17 @@ def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
 
     started = time.perf_counter()
     if context is None:
-        context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.bootstrap.seed,
+        context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.rl.bootstrap.seed,
                                              **_single_process_rendezvous())
-    out("[1/4] base policy (bootstrap)")
-    boot = run_bootstrap(cfg.bootstrap, context=context)
+    out("[1/5] base policy (bootstrap)")
+    boot = run_bootstrap(cfg.rl.bootstrap, context=context)
     summary = boot.summary
     out(f"      {'reused' if boot.cached else 'trained'}: {summary['num_parameters']:,} parameters, "
         f"final SFT loss {summary['final_loss']:.3f}  ({boot.directory})")
 
-    out("[2/4] restore the Megatron actor and sync its weights into the local engine")
+    out("[2/5] restore the Megatron actor and sync its weights into the local engine")
     spec = ModelSpec(**summary["model_spec"])
-    actor = Actor(spec=spec, context=context, trainer=cfg.bootstrap.trainer, optim=cfg.bootstrap.optim, seed=cfg.bootstrap.seed)
+    actor = Actor(spec=spec, context=context, trainer=cfg.rl.bootstrap.trainer, optim=cfg.rl.bootstrap.optim, seed=cfg.rl.bootstrap.seed)
     manager = CheckpointManager(boot.checkpoint_dir, keep_last=1, rank=context.rank, world_size=context.world_size)
     checkpoint = manager.newest_valid()
     if checkpoint is None:
@@ -61,7 +61,7 @@ def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
     sync_actor_to_engine(actor, engine, version=1)
     out(f"      weights v1 synced in {time.perf_counter() - sync_started:.3f} s")
 
-    out(f"[3/4] pass@k with n={cfg.num_samples}, T={cfg.temperature}, {cfg.max_new_tokens} new tokens")
+    out(f"[3/5] pass@k with n={cfg.num_samples}, T={cfg.temperature}, {cfg.max_new_tokens} new tokens")
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
     table: dict[str, dict[str, float]] = {}
     sampled: dict[str, object] = {}  # a few results per set, by prompt id (sets may share problems)
@@ -84,7 +84,7 @@ def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
         cells = " ".join(f"{row.get(f'pass@{k}', float('nan')):8.3f}" for k in cfg.ks)
         out(f"      {name:<28} {int(row['num_problems']):>8} {cells}")
 
-    out("[4/4] train/rollout log-prob agreement on sampled tokens")
+    out("[4/5] train/rollout log-prob agreement on sampled tokens")
     checked = list(sampled.values())
     prompt_ids = [prompt_token_ids(tokenizer, r.prompt, template=TEMPLATE) for r in checked]
     completions = engine.generate(
@@ -97,8 +97,20 @@ def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
     _, mismatch = logprob_mismatch(engine_logprobs, trainer_logprobs, mask=batch.response_mask)
     out(f"      mean |Δ| = {float(mismatch['mean_abs_diff']):.2e}, max |Δ| = {float(mismatch['max_abs_diff']):.2e} "
         f"over {int(mismatch['num_tokens'])} tokens")
+    out(f"[5/5] GRPO from the base policy: {cfg.rl.steps} steps of {cfg.rl.prompts_per_step} prompts × "
+        f"{cfg.rl.group_size} samples on {', '.join(cfg.rl.data.train)}")
+    from pipeline.metrics import read_metrics
+    from pipeline.stages.rl import run_rl
+
+    last = run_rl(cfg.rl, context=context)
+    before = read_metrics(f"{cfg.rl.logging.output_dir}/metrics.jsonl")[0]
+    out(f"      held-out sampled pass@1 on {cfg.rl.eval_set}: {before['eval/pass@1']:.3f} → {last['eval/pass@1']:.3f} "
+        f"({int(last['eval/num_problems'])} problems × {cfg.rl.eval_samples} samples)")
+    out(f"      tokens generated {last['ledger/tokens_generated']:,}, with gradient {last['ledger/tokens_with_gradient']:,}; "
+        f"plots in {cfg.rl.logging.output_dir}/plots")
     out(f"done in {time.perf_counter() - started:.0f} s")
-    return {"pass_at_k": table, "mismatch": {k: float(v) for k, v in mismatch.items()}}
+    return {"pass_at_k": table, "mismatch": {k: float(v) for k, v in mismatch.items()},
+            "rl": {"pass@1_before": before["eval/pass@1"], "pass@1_after": last["eval/pass@1"]}}
 
 
 def _fitting(prompts, tokenizer, *, budget: int):
