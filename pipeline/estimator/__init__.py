@@ -1,0 +1,22 @@
+"""DEPO difficulty estimator: the model, its online trainer, and the model router.
+
+Paper: /work/shared/papers/depo-difficulty-estimated-policy-optimization.txt —
+"Difficulty-Estimated Policy Optimization". The pure losses and the filter rule are in
+``pipeline.algorithms.depo``; ``winnow train-estimator`` (``pipeline.stages.train_estimator``)
+pre-trains the estimator on a curation. Importing this package does not import
+transformers; the model classes load it when built.
+"""
+
+from pipeline.estimator.model import DifficultyEstimator, unpack_minilm
+from pipeline.estimator.router import RoutedEngine, estimator_predictor, route
+from pipeline.estimator.train import EstimatorTrainer, spearman_correlation
+
+__all__ = [
+    "DifficultyEstimator",
+    "EstimatorTrainer",
+    "RoutedEngine",
+    "estimator_predictor",
+    "route",
+    "spearman_correlation",
+    "unpack_minilm",
+]

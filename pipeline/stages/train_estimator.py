@@ -1,0 +1,215 @@
+"""`winnow train-estimator`: pre-train the DEPO difficulty estimator on a curation's pass rates.
+
+Paper: /work/shared/papers/depo-difficulty-estimated-policy-optimization.txt —
+"Difficulty-Estimated Policy Optimization", §3.1 (estimator and loss) and §3.2 (the
+cold-start problem). DEPO warms the estimator up online for its first 100 RL steps; a
+finished ``winnow curate`` already holds k graded samples for every sampled prompt, so
+this stage gives the estimator that warm-up offline, before any RL step, and reports how
+well it is calibrated on prompts it never saw.
+
+Inputs: ``curation_dir`` (``load_curation`` for n, c; the shards for the problem texts).
+Every sampled prompt is used, including those the curation rules dropped as trivial or
+impossible: those are exactly the zero-variance prompts the filter must learn to spot.
+The held-out split hashes each prompt id (not the seed), so runs with other seeds or
+settings are evaluated on the same prompts.
+
+Outputs under ``output_dir``:
+
+    estimator/         model.safetensors, estimator.json, tokenizer files (``DifficultyEstimator.load``)
+    calibration.json   held-out and train calibration (Brier, Spearman, filter precision/recall,
+                       reliability bins), per-epoch history, split sizes, config, timings
+    calibration.png    reliability diagram: mean observed vs mean predicted pass rate per bin
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from pipeline import configlib
+from pipeline.config import TrainEstimatorConfig
+from pipeline.configlib import ConfigError
+
+# ================================================================ the stage
+
+ESTIMATOR_DIR = "estimator"
+CALIBRATION_FILE = "calibration.json"
+PLOT_FILE = "calibration.png"
+
+
+def holdout_mask(prompt_ids: list[str], *, fraction: float) -> np.ndarray:
+    """``(P,)`` bool: a prompt is held out when the hash of its id falls below ``fraction``."""
+    hashes = np.array([int.from_bytes(hashlib.sha256(f"winnow.estimator|{pid}".encode()).digest()[:8], "big")
+                       for pid in prompt_ids], dtype=np.uint64)
+    return hashes.astype(np.float64) / 2.0**64 < fraction
+
+
+def load_training_set(curation_dir: str | Path) -> tuple[list[str], list[str], np.ndarray, int]:
+    """Every sampled prompt of a curation: ids, problem texts, observed pass rates ``(P,)``, and k."""
+    import pyarrow.parquet as pq
+
+    from pipeline.stages.curate import SHARDS_DIR, CurationError, load_curation
+
+    curation = load_curation(curation_dir)
+    problem_of: dict[str, str] = {}
+    for path in sorted((Path(curation_dir) / SHARDS_DIR).glob("shard_*.parquet")):
+        table = pq.read_table(path, columns=["id", "problem"])
+        problem_of.update(zip(table.column("id").to_pylist(), table.column("problem").to_pylist()))
+    sampled = np.flatnonzero(curation.sampled_mask)
+    ids = [curation.prompt_ids[i] for i in sampled]
+    missing = [pid for pid in ids if pid not in problem_of]
+    if missing:
+        raise CurationError(f"{curation_dir}: {len(missing)} sampled prompt(s) have no shard row "
+                            f"(first {missing[0]!r}); the curation is incomplete")
+    return ids, [problem_of[pid] for pid in ids], curation.pass_rates[sampled], curation.samples_per_prompt
+
+
+def build_estimator(cfg: TrainEstimatorConfig):
+    from pipeline.estimator.model import DifficultyEstimator
+
+    if cfg.encoder == "tiny":
+        return DifficultyEstimator.tiny(max_length=cfg.max_length)
+    return DifficultyEstimator.from_pretrained_minilm(cfg.cache_dir, max_length=cfg.max_length)
+
+
+def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Train on the curation's sampled prompts, write the outputs, return the calibration report."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from pipeline.estimator.train import EstimatorTrainer
+
+    if cfg.curation_dir is None:
+        raise ConfigError("curation_dir: required; the output_dir of a finished `winnow curate`")
+    started = time.perf_counter()
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    ids, texts, pass_rates, samples_per_prompt = load_training_set(cfg.curation_dir)
+    held_out = holdout_mask(ids, fraction=cfg.holdout_fraction)  # (P,)
+    train_index, holdout_index = np.flatnonzero(~held_out), np.flatnonzero(held_out)
+    if train_index.size < 2 or holdout_index.size < 2:
+        raise ConfigError(f"holdout_fraction: {len(ids)} sampled prompts split into {train_index.size} train and "
+                          f"{holdout_index.size} held out; each side needs at least 2")
+    group_size = cfg.group_size if cfg.group_size is not None else samples_per_prompt
+    out(f"[1/3] {len(ids):,} sampled prompts from {cfg.curation_dir}: {train_index.size:,} train, "
+        f"{holdout_index.size:,} held out")
+
+    torch.manual_seed(cfg.seed)
+    model = build_estimator(cfg)
+    trainer = EstimatorTrainer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, w_distill=cfg.w_distill,
+                               w_rank=cfg.w_rank, margin=cfg.margin)
+    out(f"[2/3] train the {cfg.encoder} estimator: {cfg.epochs} epoch(s), batch {cfg.batch_size}, lr {cfg.lr}")
+    holdout_texts = [texts[i] for i in holdout_index]
+    holdout_rates = pass_rates[holdout_index]
+
+    def evaluate(index: np.ndarray, eval_texts: list[str]) -> dict[str, Any]:
+        return trainer.calibration(eval_texts, pass_rates[index], group_size=group_size,
+                                   threshold=cfg.filter_threshold, batch_size=max(cfg.batch_size, 64))
+
+    generator = torch.Generator().manual_seed(cfg.seed)
+    history: list[dict[str, float]] = []
+    train_phase = time.perf_counter()
+    for epoch in range(cfg.epochs):
+        order = train_index[torch.randperm(train_index.size, generator=generator).numpy()]
+        batches = [order[start : start + cfg.batch_size] for start in range(0, order.size, cfg.batch_size)]
+        losses = []
+        for batch in tqdm(batches, desc=f"estimator epoch {epoch + 1}", unit="batch", disable=not cfg.progress,
+                          leave=False):
+            metrics = trainer.update([texts[i] for i in batch], torch.from_numpy(pass_rates[batch]).float())
+            losses.append(metrics["depo/loss"])
+        held = evaluate(holdout_index, holdout_texts)
+        history.append({"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "holdout_brier": held["brier"],
+                        "holdout_spearman": held["spearman"]})
+        out(f"      epoch {epoch + 1}: loss {np.mean(losses):.4f}, held-out Brier {held['brier']:.4f}, "
+            f"Spearman {held['spearman']:.3f}")
+    train_seconds = time.perf_counter() - train_phase
+
+    out("[3/3] calibrate and write the outputs")
+    holdout = evaluate(holdout_index, holdout_texts)
+    train = evaluate(train_index, [texts[i] for i in train_index])
+    model.save(output_dir / ESTIMATOR_DIR)
+    report = {
+        "curation_dir": str(cfg.curation_dir),
+        "num_prompts": {"train": int(train_index.size), "holdout": int(holdout_index.size)},
+        "samples_per_prompt": samples_per_prompt,
+        "holdout": holdout,
+        "train": train,
+        "history": history,
+        "config": configlib.to_dict(cfg),
+        "timings": {"train_s": train_seconds, "total_s": time.perf_counter() - started},
+        "num_updates": trainer.num_updates,
+    }
+    _atomic_write_text(output_dir / CALIBRATION_FILE, json.dumps(report, indent=1) + "\n")
+    _plot_reliability(output_dir / PLOT_FILE, holdout=holdout, train=train)
+    out(f"held-out ({holdout['num_prompts']:,} prompts): Brier {holdout['brier']:.4f} "
+        f"(constant {holdout['brier_constant']:.4f}), Spearman {holdout['spearman']:.3f}, "
+        f"filter (G={group_size}, τ={cfg.filter_threshold}) precision {_fmt(holdout['filter_precision'])}, "
+        f"recall {_fmt(holdout['filter_recall'])}, filter ratio {holdout['filter_ratio']:.3f}")
+    return report
+
+
+def _fmt(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.3f}"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _plot_reliability(path: Path, *, holdout: dict[str, Any], train: dict[str, Any]) -> None:
+    # The object-oriented API with the Agg canvas: no pyplot global state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(5.2, 4.8), layout="constrained")
+    FigureCanvasAgg(figure)
+    ax = figure.subplots()
+    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfect calibration")
+    for name, report, color in (("held out", holdout, "tab:blue"), ("train", train, "tab:orange")):
+        bins = report["bins"]
+        predicted, observed = np.array(bins["mean_predicted"]), np.array(bins["mean_observed"])
+        counts = np.array(bins["count"])
+        filled = counts > 0
+        ax.plot(predicted[filled], observed[filled], marker="o", color=color,
+                label=f"{name} (n={report['num_prompts']}, Brier {report['brier']:.3f}, ρ {report['spearman']:.2f})")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("predicted pass rate (bin mean)")
+    ax.set_ylabel("observed pass rate (bin mean)")
+    ax.set_title("difficulty estimator reliability")
+    ax.legend(loc="upper left", fontsize=8)
+    tmp = path.with_name(path.name + ".tmp")
+    figure.savefig(tmp, format="png", dpi=110)
+    os.replace(tmp, path)
+
+
+# ================================================================ CLI
+
+
+def add_train_estimator_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="YAML", help="a YAML file of options to load first")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides applied last, e.g. curation_dir=runs/curate encoder=tiny epochs=5")
+
+
+def run_train_estimator_command(args: argparse.Namespace) -> int:
+    """`winnow train-estimator [--config YAML] [key=value ...]`: train, print the held-out numbers and outputs."""
+    cfg = configlib.load(TrainEstimatorConfig, yaml_path=args.config, overrides=args.overrides)
+    run_train_estimator(cfg)
+    output_dir = Path(cfg.output_dir)
+    for name in (ESTIMATOR_DIR, CALIBRATION_FILE, PLOT_FILE):
+        print(f"  {name:<18} {output_dir / name}")
+    return 0

@@ -1,0 +1,316 @@
+"""DEPO estimator trainer (§3.1.2), calibration metrics, and the `train-estimator` stage end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.configlib import ConfigError
+from pipeline.estimator.model import DifficultyEstimator
+from pipeline.estimator.train import EstimatorTrainer, average_ranks, reliability_bins, spearman_correlation
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Two intra-op threads on two shared, loaded cores are ~100x slower for these tiny matmuls.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _digits_texts(num: int, seed: int) -> tuple[list[str], np.ndarray]:
+    """Questions of 8 symbols whose pass rate is 1 − (number of digits)/8: a relation a tiny encoder can learn."""
+    rng = np.random.default_rng(seed)
+    texts, rates = [], []
+    for _ in range(num):
+        num_digits = int(rng.integers(0, 9))
+        symbols = list(rng.choice(list("abcdefghij"), 8 - num_digits)) + list(rng.choice(list("0123456789"),
+                                                                                          num_digits))
+        rng.shuffle(symbols)
+        texts.append("q: " + "".join(symbols))
+        rates.append(1.0 - num_digits / 8)
+    return texts, np.array(rates)
+
+
+def _trainer(seed: int = 0, **kwargs) -> EstimatorTrainer:
+    torch.manual_seed(seed)
+    return EstimatorTrainer(DifficultyEstimator.tiny(max_length=24), **{"lr": 3e-3, **kwargs})
+
+
+# ================================================================ ranks and calibration
+
+
+def test_average_ranks_and_spearman_with_ties_hand_case():
+    # x = [10, 20, 20, 30]: ranks 1, (2+3)/2, (2+3)/2, 4.
+    assert average_ranks(np.array([10.0, 20.0, 20.0, 30.0])).tolist() == [1.0, 2.5, 2.5, 4.0]
+    # y = [1, 3, 2, 4] → ranks [1, 3, 2, 4]. Centred: x' = [−1.5, 0, 0, 1.5], y' = [−1.5, 0.5, −0.5, 1.5];
+    # Σx'y' = 2.25 + 2.25 = 4.5, Σx'² = 4.5, Σy'² = 5 → ρ = 4.5 / √22.5 = 0.948683…
+    rho = spearman_correlation(np.array([10.0, 20.0, 20.0, 30.0]), np.array([1.0, 3.0, 2.0, 4.0]))
+    assert rho == pytest.approx(4.5 / math.sqrt(22.5), abs=1e-12)
+    assert spearman_correlation(np.array([1.0, 2.0, 3.0]), np.array([9.0, 5.0, 1.0])) == pytest.approx(-1.0)
+    assert math.isnan(spearman_correlation(np.array([1.0, 1.0]), np.array([0.0, 1.0])))
+    assert math.isnan(spearman_correlation(np.array([1.0]), np.array([0.0])))
+
+
+def test_spearman_matches_a_loop_reference():
+    rng = np.random.default_rng(3)
+    x, y = rng.integers(0, 5, 40).astype(float), rng.integers(0, 4, 40).astype(float)
+
+    def loop_ranks(values):
+        return np.array([np.sum(values < v) + (np.sum(values == v) + 1) / 2 for v in values])
+
+    expected = np.corrcoef(loop_ranks(x), loop_ranks(y))[0, 1]
+    assert spearman_correlation(x, y) == pytest.approx(expected, abs=1e-12)
+
+
+def test_calibration_hand_case_with_a_constant_prediction():
+    trainer = _trainer()
+    with torch.no_grad():  # every prompt predicted p̂ = σ(log 3) = 0.75
+        trainer.model.reward_head.weight.zero_()
+        trainer.model.reward_head.bias.fill_(math.log(3.0))
+    report = trainer.calibration(["a", "b", "c", "d"], np.array([0.0, 0.5, 1.0, 1.0]), group_size=4, threshold=0.3)
+    # Brier = (0.75² + 0.25² + 0.25² + 0.25²) / 4 = (0.5625 + 3·0.0625) / 4 = 0.1875.
+    assert report["brier"] == pytest.approx(0.1875, abs=1e-6)
+    # Best constant: mean 0.625 → ((0.625² + 0.125² + 2·0.375²) / 4) = 0.171875.
+    assert report["brier_constant"] == pytest.approx(0.171875, abs=1e-12)
+    assert math.isnan(report["spearman"])  # a constant prediction has no ranking
+    # P(zero variance) = 0.75⁴ + 0.25⁴ = 0.3203125 > 0.3: every prompt filtered. Observed zero variance:
+    # prompts a, c, d (p ∈ {0, 1}) → precision 3/4, recall 3/3.
+    assert report["filter_ratio"] == 1.0
+    assert report["filter_precision"] == pytest.approx(0.75) and report["filter_recall"] == 1.0
+    assert report["observed_zero_variance_fraction"] == 0.75
+    strict = trainer.calibration(["a", "b", "c", "d"], np.array([0.0, 0.5, 1.0, 1.0]), group_size=4, threshold=0.33)
+    assert strict["filter_ratio"] == 0.0 and math.isnan(strict["filter_precision"]) and strict["filter_recall"] == 0.0
+
+
+def test_calibration_spearman_and_bins_use_the_predictions(monkeypatch):
+    trainer = _trainer()
+    predictions = torch.tensor([0.05, 0.3, 0.35, 0.95])
+    monkeypatch.setattr(trainer.model, "predict_pass_rate", lambda texts, batch_size: predictions)
+    report = trainer.calibration(list("abcd"), np.array([0.0, 0.5, 0.25, 1.0]), group_size=2, threshold=0.9)
+    # Predictions rank [1, 2, 3, 4], observed [1, 3, 2, 4] → ρ = 1 − 6·(0+1+1+0)/(4·15) = 0.8.
+    assert report["spearman"] == pytest.approx(0.8)
+    bins = report["bins"]
+    assert bins["count"] == [1, 0, 0, 2, 0, 0, 0, 0, 0, 1]
+    assert bins["mean_observed"][3] == pytest.approx(0.375) and bins["mean_predicted"][3] == pytest.approx(0.325)
+    with pytest.raises(ValueError, match="lie in"):
+        trainer.calibration(["a"], np.array([1.5]), group_size=2, threshold=0.5)
+
+
+def test_reliability_bins_put_one_in_the_last_bin():
+    bins = reliability_bins(np.array([0.0, 1.0, 0.55]), np.array([0.0, 1.0, 1.0]), num_bins=2)
+    assert bins["count"] == [1, 2] and bins["mean_observed"] == [0.0, 1.0]
+
+
+# ================================================================ updates
+
+
+def test_tiny_estimator_learns_a_synthetic_difficulty():
+    texts, rates = _digits_texts(96, seed=0)
+    holdout_texts, holdout_rates = _digits_texts(48, seed=1)
+    trainer = _trainer(seed=0)
+    before = trainer.calibration(holdout_texts, holdout_rates, group_size=8, threshold=0.5)
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0)).numpy()
+    for _ in range(2):
+        for start in range(0, len(texts), 16):
+            batch = order[start : start + 16]
+            metrics = trainer.update([texts[i] for i in batch], torch.tensor(rates[batch], dtype=torch.float32))
+    after = trainer.calibration(holdout_texts, holdout_rates, group_size=8, threshold=0.5)
+    assert after["spearman"] > 0.5, after
+    # Far better than the best constant prediction, and than the untrained model.
+    assert after["brier"] < 0.5 * after["brier_constant"] and after["brier"] < 0.5 * before["brier"]
+    assert {"depo/loss", "depo/loss_de", "depo/loss_rank", "estimator/grad_norm"} <= metrics.keys()
+    assert "depo/loss_distill" not in metrics and trainer.num_updates == 12
+
+
+def test_ranking_direction_higher_observed_reward_scores_higher():
+    trainer = _trainer(seed=1, w_rank=3.0, margin=1.0)
+    texts = ["hard question 987654321", "easy one"]
+    start_logits = trainer.model.predict_logits(texts)
+    for _ in range(25):
+        metrics = trainer.update(texts, torch.tensor([0.2, 0.8]))
+    logits = trainer.model.predict_logits(texts)
+    assert logits[1] - logits[0] > 1.0 > float(start_logits[1] - start_logits[0])
+    assert metrics["depo/rank_pairs"] == 1.0
+    # Swapping which prompt is rewarded swaps the order back.
+    for _ in range(40):
+        trainer.update(texts, torch.tensor([0.8, 0.2]))
+    logits = trainer.model.predict_logits(texts)
+    assert logits[0] > logits[1]
+
+
+def test_distillation_trains_the_perplexity_head_only_when_log_probs_are_given():
+    trainer = _trainer(weight_decay=0.0)
+    texts = ["a b c", "1 2 3 4", "x"]
+    head_before = trainer.model.perplexity_head.weight.detach().clone()
+    trainer.update(texts, torch.tensor([0.0, 0.5, 1.0]))
+    # No target: zero gradient and no weight decay, so AdamW leaves the head exactly as it was.
+    assert torch.equal(trainer.model.perplexity_head.weight, head_before)
+    metrics = trainer.update(texts, torch.tensor([0.0, 0.5, 1.0]), torch.tensor([-0.1, -2.0, -5.0]))
+    assert not torch.equal(trainer.model.perplexity_head.weight, head_before)
+    # Target P = exp(mean log-prob): mean of exp([-0.1, -2, -5]).
+    assert metrics["depo/ppl_target_mean"] == pytest.approx(float(np.exp([-0.1, -2.0, -5.0]).mean()), rel=1e-6)
+    assert "depo/loss_distill" in metrics
+    with pytest.raises(ValueError, match="non-finite"):
+        trainer.update(texts, torch.tensor([0.0, 0.5, 1.0]), torch.tensor([-0.1, -math.inf, -5.0]))
+
+
+def test_update_rejects_bad_batches():
+    trainer = _trainer()
+    with pytest.raises(ValueError, match="2 texts"):
+        trainer.update(["a", "b"], torch.tensor([0.5]))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        trainer.update(["a", "b"], torch.tensor([0.5, 1.5]))
+    with pytest.raises(ValueError, match="must match"):
+        trainer.update(["a", "b"], torch.tensor([0.5, 0.5]), torch.tensor([-1.0]))
+    with pytest.raises(ValueError, match="lr"):
+        EstimatorTrainer(trainer.model, lr=0.0)
+
+
+def test_state_dict_round_trip_through_safetensors_and_json_is_exact(tmp_path):
+    texts, rates = _digits_texts(16, seed=2)
+    targets = torch.tensor(rates, dtype=torch.float32)
+    original = _trainer(seed=0)
+    for _ in range(3):
+        original.update(texts, targets)
+    state = original.state_dict()
+    save_file(state["tensors"], str(tmp_path / "estimator.safetensors"))
+    (tmp_path / "estimator.json").write_text(json.dumps(state["json"]))
+
+    restored = _trainer(seed=123)  # other init: everything must come from the state
+    restored.load_state_dict({"tensors": load_file(str(tmp_path / "estimator.safetensors")),
+                              "json": json.loads((tmp_path / "estimator.json").read_text())})
+    assert restored.num_updates == 3
+    for name, tensor in original.model.state_dict().items():
+        assert torch.equal(restored.model.state_dict()[name], tensor), name
+    # The next update (same dropout draws) must give bit-identical weights: the AdamW moments came back too.
+    torch.manual_seed(7)
+    metrics_original = original.update(texts, targets)
+    torch.manual_seed(7)
+    metrics_restored = restored.update(texts, targets)
+    assert metrics_original == metrics_restored
+    for name, tensor in original.model.state_dict().items():
+        assert torch.equal(restored.model.state_dict()[name], tensor), name
+
+
+# ================================================================ the stage
+
+
+@dataclass
+class _FakePrompt:
+    id: str
+    problem: str
+    answer: str = "0"
+    source: str = "synthetic"
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class _FakeResult:
+    prompt: _FakePrompt
+    num_samples: int
+    num_correct: int
+    num_generated_tokens: int = 10
+
+
+def _write_curation(directory, *, num_prompts: int, k: int = 8) -> list[str]:
+    """A finished curation in `winnow curate`'s layout, written with its own writers; returns sampled ids."""
+    from pipeline.stages import curate
+
+    texts, rates = _digits_texts(num_prompts, seed=5)
+    prompts = [_FakePrompt(id=f"p{i:04d}", problem=text) for i, text in enumerate(texts)]
+    num_correct = np.rint(rates * k).astype(np.int64)
+    num_samples = np.full(num_prompts, k, dtype=np.int64)
+    num_samples[::10] = 0  # dropped before sampling (e.g. too long): no shard row, no pass rate
+    num_correct[::10] = 0
+    sampled = np.flatnonzero(num_samples > 0)
+    (directory / curate.SHARDS_DIR).mkdir(parents=True)
+    for index, start in enumerate(range(0, sampled.size, 40)):
+        rows = sampled[start : start + 40]
+        shard = curate._Shard(index=index, prompts=[prompts[i] for i in rows], seed=index,
+                              path=directory / curate.SHARDS_DIR / f"shard_{index:05d}.parquet")
+        results = [_FakeResult(prompt=prompts[i], num_samples=k, num_correct=int(num_correct[i])) for i in rows]
+        curate._atomic_write_parquet(shard.path, curate._shard_table(results, shard=shard, fingerprint="fake"))
+    result = curate.CurationResult(
+        output_dir=directory, prompt_ids=[p.id for p in prompts], specs=["fake"] * num_prompts,
+        sources=["synthetic"] * num_prompts, num_samples=num_samples, num_correct=num_correct,
+        pass_rates=curate._pass_rates(num_samples, num_correct), kept_mask=num_samples > 0,
+        drop_reasons=["" if n else "too_long" for n in num_samples], samples_per_prompt=k,
+        counts={"total": num_prompts, "kept": int(sampled.size), "too_long": num_prompts - int(sampled.size)},
+    )
+    curate._write_pass_rates(directory / curate.PASS_RATES_FILE, result)
+    manifest = {"format": curate.FORMAT_VERSION, "config": {"num_samples": k}, "counts": result.counts}
+    (directory / curate.MANIFEST_FILE).write_text(json.dumps(manifest))
+    return [prompts[i].id for i in sampled]
+
+
+def test_stage_end_to_end_on_a_fake_curation(tmp_path, capsys):
+    from pipeline.stages.train_estimator import (
+        TrainEstimatorConfig,
+        add_train_estimator_arguments,
+        holdout_mask,
+        load_training_set,
+        run_train_estimator_command,
+    )
+
+    sampled_ids = _write_curation(tmp_path / "curate", num_prompts=160)
+    ids, texts, pass_rates, k = load_training_set(tmp_path / "curate")
+    assert ids == sampled_ids and k == 8 and len(texts) == 144 and pass_rates.min() >= 0.0
+    parser = argparse.ArgumentParser()
+    add_train_estimator_arguments(parser)
+    args = parser.parse_args([f"curation_dir={tmp_path / 'curate'}", "encoder=tiny", "max_length=24", "epochs=3",
+                              "batch_size=16", "lr=0.003", "holdout_fraction=0.25", f"output_dir={tmp_path / 'out'}",
+                              "progress=false"])
+    assert run_train_estimator_command(args) == 0
+    printed = capsys.readouterr().out
+    assert "held-out" in printed and "Spearman" in printed
+
+    out = tmp_path / "out"
+    report = json.loads((out / "calibration.json").read_text())
+    expected_holdout = int(holdout_mask(sampled_ids, fraction=0.25).sum())
+    assert report["num_prompts"] == {"train": 144 - expected_holdout, "holdout": expected_holdout}
+    assert report["holdout"]["spearman"] > 0.5, report["holdout"]
+    assert report["holdout"]["group_size"] == 8  # null group_size: the curation's k
+    assert len(report["history"]) == 3 and report["num_updates"] == 3 * math.ceil((144 - expected_holdout) / 16)
+    assert (out / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loaded = DifficultyEstimator.load(out / "estimator")
+    held_texts = [t for t, held in zip(texts, holdout_mask(ids, fraction=0.25)) if held]
+    predicted = loaded.predict_pass_rate(held_texts).double().numpy()
+    held_rates = pass_rates[holdout_mask(ids, fraction=0.25)]
+    assert np.mean((predicted - held_rates) ** 2) == pytest.approx(report["holdout"]["brier"], rel=1e-5)
+
+    with pytest.raises(ConfigError, match="curation_dir"):
+        from pipeline.stages.train_estimator import run_train_estimator
+
+        run_train_estimator(TrainEstimatorConfig(encoder="tiny", output_dir=str(tmp_path / "x")))
+
+
+def test_holdout_split_is_stable_and_near_the_fraction():
+    from pipeline.stages.train_estimator import holdout_mask
+
+    ids = [f"id-{i}" for i in range(4000)]
+    mask = holdout_mask(ids, fraction=0.1)
+    assert 0.08 < mask.mean() < 0.12
+    assert np.array_equal(holdout_mask(ids[::-1], fraction=0.1), mask[::-1])  # per id, not per position
+    assert not (mask & ~holdout_mask(ids, fraction=0.2)).any()  # a larger fraction holds out a superset
+
+
+def test_config_rejects_bad_values():
+    from pipeline import configlib
+    from pipeline.stages.train_estimator import TrainEstimatorConfig
+
+    with pytest.raises(ConfigError, match="holdout_fraction"):
+        configlib.load(TrainEstimatorConfig, overrides=["holdout_fraction=1.0"])
+    with pytest.raises(ConfigError, match="encoder"):
+        configlib.load(TrainEstimatorConfig, overrides=["encoder=roberta"])
+    with pytest.raises(ConfigError, match="max_length"):
+        configlib.load(TrainEstimatorConfig, overrides=["max_length=1024"])
+    assert configlib.load(TrainEstimatorConfig).w_rank == 3.0
