@@ -12,7 +12,7 @@ widened.
 from __future__ import annotations
 
 import dataclasses
-import json
+import copy
 import re
 import types
 import typing
@@ -246,7 +246,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply dotted overrides to plain config data (a new dict is returned)."""
-    result = json.loads(json.dumps(data))
+    result = copy.deepcopy(data)
     for text in overrides:
         parts, value = parse_override(text)
         node = result
@@ -279,9 +279,37 @@ def load(cls: type[T], *, base: T | None = None, yaml_path: str | Path | None = 
         if loaded is not None:
             if not isinstance(loaded, dict):
                 raise ConfigError(f"config file {yaml_path}: top level must be a mapping")
+            _check_plain(loaded, path="", source=str(yaml_path), ancestors=())
             data = _deep_merge(data, loaded)
     data = apply_overrides(data, overrides)
     return from_dict(cls, data)
+
+
+_PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+def _check_plain(value: Any, *, path: str, source: str, ancestors: tuple[int, ...]) -> None:
+    """Configs are plain data: YAML dates, binary blobs and self-referencing anchors are refused."""
+    where = path or "<top level>"
+    if isinstance(value, _PLAIN_SCALARS):
+        return
+    if id(value) in ancestors:
+        raise ConfigError(f"config file {source}: {where} refers to itself (a recursive YAML anchor)")
+    if isinstance(value, dict):
+        for key, child in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"config file {source}: {where} has a non-string key {key!r}")
+            _check_plain(child, path=f"{path}.{key}" if path else key, source=source,
+                         ancestors=(*ancestors, id(value)))
+        return
+    if isinstance(value, list):
+        for index, child in enumerate(value):
+            _check_plain(child, path=f"{where}[{index}]", source=source, ancestors=(*ancestors, id(value)))
+        return
+    raise ConfigError(
+        f"config file {source}: {where} is a {type(value).__name__}; options take strings, numbers, "
+        "booleans, lists and mappings (quote dates and times)"
+    )
 
 
 def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:

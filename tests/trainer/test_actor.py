@@ -172,3 +172,23 @@ def test_non_finite_loss_skips_the_step_and_leaves_weights_untouched():
     assert (first, poisoned, after) == (False, True, False)
     assert unchanged and num_skipped == 1
     assert after_loss == after_loss  # finite again
+
+
+def _direction_worker(rank, world_size):
+    from pipeline.trainer.losses import PolicyLoss
+
+    actor = _actor(1, 1, micro_batch_tokens=10_000, lr=1e-3)
+    batch = _batch()
+    before = actor.compute_logprobs(batch)
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])[:, None]  # (B, 1)
+    batch.advantages = sign * batch.response_mask
+    batch.old_logprobs = before
+    actor.train_step(batch, PolicyLoss("grpo"))
+    after = actor.compute_logprobs(batch)
+    change = ((after - before) * batch.response_mask).sum(dim=1) / batch.response_mask.sum(dim=1)  # (B,)
+    return change
+
+
+def test_policy_gradient_raises_positive_and_lowers_negative_advantage_sequences():
+    change = run_distributed(_direction_worker, world_size=1)[0]
+    assert (change[0::2] > 0).all() and (change[1::2] < 0).all(), change
