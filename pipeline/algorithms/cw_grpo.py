@@ -97,7 +97,12 @@ def cw_grpo_token_weights(
     num_groups = check_group_ids(group_ids)
 
     valid_mask = response_mask.bool()  # (B, T)
-    if not bool(torch.isfinite(logprobs.detach()[valid_mask]).all()):
+    # Only the valid tokens are touched from here on: select first, then widen to float64.
+    flat_valid = valid_mask.reshape(-1)  # (B·T,)
+    valid_positions = flat_valid.nonzero().squeeze(1)  # (n,)
+    valid_rows = torch.div(valid_positions, num_cols, rounding_mode="floor")  # (n,)
+    logp_valid = logprobs.detach().reshape(-1)[valid_positions]  # (n,)
+    if not bool(torch.isfinite(logp_valid).all()):
         raise ValueError("logprobs contain non-finite values on response tokens")
     if not bool(torch.isfinite(advantages.detach()[valid_mask.any(dim=1)]).all()):
         raise ValueError("advantages of responses with tokens contain non-finite values")
@@ -109,13 +114,11 @@ def cw_grpo_token_weights(
         else:
             row_scope = torch.zeros(num_rows, dtype=torch.int64, device=logprobs.device)
             num_scopes = 1 if num_rows else 0
-        flat_valid = valid_mask.reshape(-1)  # (B·T,)
-        scope_ids = row_scope[:, None].expand(num_rows, num_cols).reshape(-1)[flat_valid]  # (n,)
+        scope_ids = row_scope[valid_rows]  # (n,)
         # Statistics in float64: c is a product of two centred quantities and
         # its square enters an exponent.
-        logp = logprobs.detach().to(torch.float64).reshape(-1)[flat_valid]  # (n,)
-        adv = advantages.detach().to(torch.float64)[:, None].expand(num_rows, num_cols)
-        adv = adv.reshape(-1)[flat_valid]  # (n,)
+        logp = logp_valid.to(torch.float64)  # (n,)
+        adv = advantages.detach()[valid_rows].to(torch.float64)  # (n,)
 
         counts = _scope_sum(torch.ones_like(logp), scope_ids, num_scopes).clamp(min=1)  # (U,)
         mean_logp = _scope_sum(logp, scope_ids, num_scopes) / counts
@@ -138,9 +141,9 @@ def cw_grpo_token_weights(
         normaliser = _scope_sum(shifted, scope_ids, num_scopes)
         weights_valid = shifted * counts[scope_ids] / normaliser[scope_ids]
 
-        weights = torch.zeros(num_rows * num_cols, dtype=torch.float64, device=logprobs.device)
-        weights[flat_valid] = weights_valid
-        weights = weights.view(num_rows, num_cols).to(logprobs.dtype)
+        weights = torch.zeros(num_rows * num_cols, dtype=logprobs.dtype, device=logprobs.device)
+        weights[valid_positions] = weights_valid.to(logprobs.dtype)
+        weights = weights.view(num_rows, num_cols)
 
         present = _scope_sum(torch.ones_like(logp), scope_ids, num_scopes) > 0
         raw_w = torch.exp(log_w)

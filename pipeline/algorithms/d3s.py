@@ -399,11 +399,10 @@ def _single_unit_topk_mask(*, scores: torch.Tensor, valid_mask: torch.Tensor, ke
     above it is kept, and among scores equal to it the lowest flat indices fill the
     remaining places — the same set the stable sort would choose.
     """
-    valid_scores = scores[valid_mask]
+    valid_scores = scores[valid_mask]  # selection on the valid tokens only: fewer than B·T
     num_valid = valid_scores.numel()
-    keep = torch.zeros_like(valid_mask)
     if num_valid == 0:
-        return keep
+        return torch.zeros_like(valid_mask)
     num_keep = min(num_valid, max(1, math.ceil(num_valid * keep_ratio - _CEIL_SLACK)))
     threshold = torch.kthvalue(valid_scores, num_valid - num_keep + 1).values
     above = valid_mask & (scores > threshold)
@@ -503,13 +502,14 @@ def d3s_topk_token_weights(
         valid_mask = valid_mask & sample_keep_mask.bool()[:, None]
     if not bool(torch.isfinite(advantages[valid_mask.any(dim=1)]).all()):
         raise ValueError("advantages of selected responses contain non-finite values")
-    if not bool(torch.isfinite(entropy[valid_mask]).all()):
+    if not bool((torch.isfinite(entropy) | ~valid_mask).all()):
         raise ValueError("entropy contains non-finite values on response tokens")
 
     with torch.no_grad():
         adv = advantages.detach().to(torch.float64)
-        ent = torch.where(valid_mask, entropy.detach().to(torch.float64), 0.0)
-        scores = adv.abs()[:, None] * ent  # (B, T)
+        # float64 keeps the product exact enough that ties are true ties; masked-out
+        # positions are zeroed (they never rank: _topk_token_mask excludes them).
+        scores = torch.where(valid_mask, entropy.detach().to(torch.float64) * adv.abs()[:, None], 0.0)  # (B, T)
         if scope == "batch":
             row_units = torch.zeros(num_rows, dtype=torch.int64, device=entropy.device)
         elif scope == "group":
@@ -527,13 +527,13 @@ def d3s_topk_token_weights(
 
         num_valid = valid_mask.sum()
         num_kept = keep.sum()
-        kept_scores = scores.reshape(-1)[keep]
+        kept_score_sum = torch.where(keep, scores.reshape(-1), 0.0).sum()
     metrics: dict[str, float | torch.Tensor] = {
         "d3s/num_kept_tokens": num_kept,
         "d3s/num_valid_tokens": num_valid,
         "d3s/kept_token_ratio": num_kept / num_valid.clamp(min=1),
         "d3s/kept_token_score_mean": (
-            kept_scores.mean() if kept_scores.numel() else scores.new_zeros(())
+            kept_score_sum / num_kept if int(num_kept) else scores.new_zeros(())
         ),
     }
     return weights, metrics
