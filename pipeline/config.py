@@ -230,6 +230,85 @@ class E3TemperatureConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class E3BudgetConfig:
+    min_limit: int = option(4, ge=1, help="lowest G_min reached after widening (E3 §4.1; §5.1: G/2)")
+    max_limit: int = option(16, ge=1, help="highest G_max reached after widening (§5.1: 2G)")
+    widen_step: int = option(2, ge=0, help="G_min shrinks and G_max grows by this after each pass over the data (§5.1: 2)")
+
+
+@dataclass(kw_only=True, slots=True)
+class AdaEstConfig:
+    min_budget: int = option(2, ge=1, help="N_min: fewest samples per prompt (Reinforce-Ada Algorithm 1 line 5)")
+    max_budget: int = option(32, ge=1, help="N_max: most samples per prompt")
+    rule: Literal["log", "reinforce_baseline"] = option(
+        "log", help="N ∝ 1/√(p̂+ε) (log objective) or √((1−p̂)/p̂) (App. B.1)"
+    )
+    ema_decay: float = option(0.9, gt=0.0, le=1.0, help="λ of the Ada-EMA counters N ← λN + n")
+    prior_alpha: float = option(1.0, gt=0.0, help="α of the Beta prior p̂ = (N_pos+α)/(N+α+β)")
+    prior_beta: float = option(1.0, gt=0.0, help="β of the Beta prior")
+
+
+@dataclass(kw_only=True, slots=True)
+class AdaSeqConfig:
+    exit_rule: Literal["pos", "balance"] = option(
+        "balance", help="Reinforce-Ada-Seq exit rule (Algorithm 2 lines 8–9): ≥k_pos correct, or also ≥k_neg incorrect"
+    )
+    k_pos: int = option(2, ge=0, help="correct responses a prompt needs before it exits")
+    k_neg: int = option(2, ge=0, help="incorrect responses it also needs under the balance rule")
+    round_size: int = option(4, ge=1, help="responses drawn per active prompt per round")
+    max_samples: int = option(32, ge=1, help="N_max: cap on responses per prompt over all rounds")
+
+
+@dataclass(kw_only=True, slots=True)
+class DynamicSamplingConfig:
+    min_useful_fraction: float = option(
+        1.0, gt=0.0, le=1.0, help="DAPO: keep sampling new prompts until this fraction of the batch has reward variance"
+    )
+    max_rounds: int = option(4, ge=1, help="cap on generation rounds per step (the batch trains on what it has)")
+
+
+@dataclass(kw_only=True, slots=True)
+class DepoConfig:
+    estimator_dir: str | None = option(
+        None, help="a trained estimator (`winnow train-estimator` output_dir/estimator); null: a fresh one"
+    )
+    encoder: Literal["minilm", "tiny"] = option("tiny", help="encoder of a fresh estimator (estimator_dir null)")
+    cache_dir: str = option("~/.cache/winnow/estimator", help="where the MiniLM zip is unpacked once")
+    threshold: float = option(
+        0.9, gt=0.0, le=1.0, help="drop a prompt when the predicted P(all G rewards equal) exceeds this"
+    )
+    warmup_steps: int = option(10, ge=0, help="steps the estimator trains online before it filters (DEPO §3.2)")
+    oversample: float = option(
+        2.0, ge=1.0, help="candidates drawn per kept prompt; filtered batches top up to prompts_per_step from them"
+    )
+    lr: float = option(1e-4, gt=0.0, help="online AdamW learning rate")
+    w_distill: float = option(0.5, ge=0.0, help="weight of the actor-perplexity distillation loss (DEPO §4.1)")
+    w_rank: float = option(3.0, ge=0.0, help="weight of the pairwise ranking loss (DEPO §4.1)")
+    margin: float = option(0.1, ge=0.0, help="ranking margin in logit units")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    engine: Literal["local", "sglang"] = option(
+        "local", help="local: a Hugging Face model in the trainer process (CPU, tests); sglang: HTTP servers"
+    )
+    servers: list[str] = option(
+        default_factory=list, help="SGLang base URLs (http://host:port); the SLURM launcher fills these in"
+    )
+    request_timeout_s: float = option(3600.0, gt=0.0, help="per-request limit before a server counts as hung")
+    batch_timeout_s: float | None = option(
+        None, gt=0.0, help="limit for one step's whole generation (null: none beyond the per-request limit)"
+    )
+    max_attempts: int = option(4, ge=1, help="tries per request across servers before the step fails")
+
+    def __post_init__(self) -> None:
+        if self.engine == "sglang":
+            _require(bool(self.servers), "servers", "engine=sglang needs at least one server URL")
+        for url in self.servers:
+            _require(url.startswith(("http://", "https://")), "servers", f"{url!r} is not an http(s) URL")
+
+
+@dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
     """Which registered method runs at each point of the loop, and their options."""
 
@@ -252,9 +331,29 @@ class AlgorithmConfig:
     cw_grpo_scope: Literal["group", "batch"] = option("group", help="CW-GRPO covariance statistics scope")
     temperature: Literal["fixed", "e3"] = option("fixed", help="sampling temperature: fixed or E3's entropy controller")
     e3: E3TemperatureConfig = section(E3TemperatureConfig, help="E3 temperature scheduler (Eq. 4–5)")
+    prompt_filter: Literal["none", "depo"] = option("none", help="PROMPT_FILTERS entry: drop prompts before rollout")
+    depo: DepoConfig = section(DepoConfig, help="DEPO estimator, filter and online updates")
+    budget: Literal["uniform", "e3", "ada_est"] = option(
+        "uniform", help="BUDGETS entry: samples per prompt (uniform G, E3 ranks, Reinforce-Ada-Est)"
+    )
+    e3_budget: E3BudgetConfig = section(E3BudgetConfig, help="E3 dynamic rollout budget (Algorithm 1)")
+    ada_est: AdaEstConfig = section(AdaEstConfig, help="Reinforce-Ada-Est budgets from EMA/Beta pass rates")
+    sampling: Literal["single", "ada_seq", "dynamic"] = option(
+        "single", help="SAMPLERS entry: one round, Reinforce-Ada-Seq rounds with exit rules, or DAPO dynamic sampling"
+    )
+    ada_seq: AdaSeqConfig = section(AdaSeqConfig, help="Reinforce-Ada-Seq multi-round sampling")
+    dynamic: DynamicSamplingConfig = section(DynamicSamplingConfig, help="DAPO dynamic sampling")
 
     def __post_init__(self) -> None:
         _require(len(set(self.token_weights)) == len(self.token_weights), "token_weights", "a method is listed twice")
+        _require(self.ada_est.min_budget <= self.ada_est.max_budget, "ada_est.min_budget",
+                 f"{self.ada_est.min_budget} exceeds ada_est.max_budget={self.ada_est.max_budget}")
+        _require(self.e3_budget.min_limit <= self.e3_budget.max_limit, "e3_budget.min_limit",
+                 f"{self.e3_budget.min_limit} exceeds e3_budget.max_limit={self.e3_budget.max_limit}")
+        _require(self.ada_seq.round_size <= self.ada_seq.max_samples, "ada_seq.round_size",
+                 f"{self.ada_seq.round_size} exceeds ada_seq.max_samples={self.ada_seq.max_samples}")
+        _require(not (self.sampling == "ada_seq" and self.budget != "uniform"), "budget",
+                 "ada_seq sampling sets its own per-prompt budgets; use budget=uniform with it")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -286,6 +385,23 @@ class RLConfig:
     )
     logging: LoggingConfig = option(default_factory=lambda: LoggingConfig(output_dir="runs/rl"), help="outputs")
     seed: int = option(0, help="seed of data order and sampling")
+    curation_dir: str | None = option(
+        None, help="a finished `winnow curate` output_dir: its pass rates seed the statistics store, E3 ranks and Ada-Est"
+    )
+    policy: str | None = option(
+        None, help="initial policy: a Hugging Face folder or a winnow checkpoint directory (null: the bootstrap policy)"
+    )
+    tokenizer: str | None = option(None, help="tokenizer folder for `policy` (null: the policy's own)")
+    rollout: RolloutConfig = section(RolloutConfig, help="the rollout engine")
+
+    def __post_init__(self) -> None:
+        algorithm = self.algorithm
+        if algorithm.budget == "e3":
+            _require(algorithm.e3_budget.min_limit <= self.group_size <= algorithm.e3_budget.max_limit,
+                     "algorithm.e3_budget", f"need min_limit ≤ group_size={self.group_size} ≤ max_limit")
+        if algorithm.budget == "ada_est":
+            _require(algorithm.ada_est.min_budget <= self.group_size <= algorithm.ada_est.max_budget,
+                     "algorithm.ada_est", f"need min_budget ≤ group_size={self.group_size} ≤ max_budget")
 
 
 @dataclass(kw_only=True, slots=True)

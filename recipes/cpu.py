@@ -44,9 +44,25 @@ def e3_temperature_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
     return cfg
 
 
+def default_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
+    """The combined default: DEPO filter + Ada-Seq-BALANCE + D³S + CW-GRPO + E3 temperature.
+
+    Ada-Seq draws rounds of 4 until a prompt has 2 correct and 2 incorrect answers (cap 4G),
+    then balanced down-sampling keeps G per prompt; D³S then selects samples and tokens.
+    """
+    cfg = d3s_cw_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.temperature = "e3"
+    cfg.algorithm.prompt_filter = "depo"
+    cfg.algorithm.sampling = "ada_seq"
+    cfg.algorithm.advantage = "global_baseline"
+    cfg.algorithm.ada_seq = dataclasses.replace(cfg.algorithm.ada_seq, max_samples=4 * group_size)
+    return cfg
+
+
 RECIPES = {
     "grpo_cpu": grpo_cpu,
     "d3s_cpu": d3s_cpu,
     "d3s_cw_cpu": d3s_cw_cpu,
     "e3_temperature_cpu": e3_temperature_cpu,
+    "default_cpu": default_cpu,
 }
