@@ -300,10 +300,14 @@ class RolloutConfig:
         None, gt=0.0, help="limit for one step's whole generation (null: none beyond the per-request limit)"
     )
     max_attempts: int = option(4, ge=1, help="tries per request across servers before the step fails")
+    weights_dir: str | None = option(
+        None, help="sglang: a folder every server can read; each sync exports the policy there and the servers load it"
+    )
 
     def __post_init__(self) -> None:
         if self.engine == "sglang":
             _require(bool(self.servers), "servers", "engine=sglang needs at least one server URL")
+            _require(self.weights_dir is not None, "weights_dir", "engine=sglang needs a shared folder for weight syncs")
         for url in self.servers:
             _require(url.startswith(("http://", "https://")), "servers", f"{url!r} is not an http(s) URL")
 
@@ -313,6 +317,9 @@ class AlgorithmConfig:
     """Which registered method runs at each point of the loop, and their options."""
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "global_baseline"] = option("grpo", help="ADVANTAGES entry")
+    baseline_weight: Literal["none", "inv_mean", "inv_sqrt_mean", "bernoulli_std"] = option(
+        "none", help="global_baseline only: A = w(r̄)·(r − r̄) with w = 1, 1/p̂ (Ada §3.2), 1/√p̂ (Ada-Est), 1/σ"
+    )
     loss: Literal["grpo", "gspo"] = option("grpo", help="POLICY_LOSSES entry")
     eps_low: float = option(0.2, gt=0.0, lt=1.0, help="lower clip range of the ratio")
     eps_high: float = option(0.28, gt=0.0, help="upper clip range of the ratio (clip-higher)")

@@ -8,6 +8,7 @@ in as arguments each step.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,7 +36,8 @@ class Methods:
 
 def build_methods(cfg: AlgorithmConfig, *, total_steps: int, group_size: int, vocab_size: int,
                   temperature: float) -> Methods:
-    uses_d3s = cfg.sample_selector.startswith("d3s") or "d3s_topk" in cfg.token_weights
+    # PODS keeps N of G samples too; it reads N from the same schedule (held fixed by d3s.dynamic=false).
+    uses_d3s = cfg.sample_selector in ("d3s_intra", "d3s_cross", "pods") or "d3s_topk" in cfg.token_weights
     schedule = None
     if uses_d3s:
         schedule = D3SSchedule(
@@ -62,7 +64,7 @@ def build_methods(cfg: AlgorithmConfig, *, total_steps: int, group_size: int, vo
         )
     stateful = {name: obj for name, obj in (("d3s_schedule", schedule), ("temperature", scheduler)) if obj is not None}
     return Methods(
-        advantage=ADVANTAGES.get(cfg.advantage),
+        advantage=pool_aware_advantage(cfg.advantage, baseline_weight=cfg.baseline_weight),
         select_samples=selector,
         token_weightings=weightings,
         loss=PolicyLoss(cfg.loss, aggregation=cfg.aggregation, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
@@ -71,6 +73,22 @@ def build_methods(cfg: AlgorithmConfig, *, total_steps: int, group_size: int, vo
         temperature=scheduler,
         stateful=stateful,
     )
+
+
+def pool_aware_advantage(name: str, *, baseline_weight: str) -> Callable:
+    """``fn(rewards=, group_ids=, pool_rewards=, pool_group_ids=)`` for any registered advantage.
+
+    Advantages with a pool-level baseline (Reinforce-Ada's ``global_baseline``) see every
+    sample drawn for a prompt; the others see only the samples the update trains on.
+    """
+    fn = ADVANTAGES.get(name)
+    if "pool_rewards" in inspect.signature(fn).parameters:
+        return partial(fn, weight=baseline_weight)
+
+    def without_pool(*, rewards, group_ids, pool_rewards, pool_group_ids):  # noqa: ARG001
+        return fn(rewards=rewards, group_ids=group_ids)
+
+    return without_pool
 
 
 def token_weights(methods: Methods, *, advantages: torch.Tensor, entropy: torch.Tensor, logprobs: torch.Tensor,

@@ -34,6 +34,60 @@ class RolloutBatch:
     def num_samples_per_prompt(self) -> torch.Tensor:
         return torch.bincount(self.group_ids, minlength=len(self.prompt_token_ids))
 
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def reward_sum_per_prompt(self) -> torch.Tensor:
+        """(P,) float64 Σ rewards of each prompt's samples."""
+        return torch.zeros(self.num_prompts, dtype=torch.float64).index_add_(0, self.group_ids, self.rewards.double())
+
+    def select_samples(self, keep_mask: torch.Tensor) -> RolloutBatch:
+        """The samples where ``keep_mask`` ``(S,)`` is true; every prompt stays (its group may shrink)."""
+        rows = keep_mask.nonzero().squeeze(1).tolist()
+        return RolloutBatch(self.prompt_indices, self.prompt_token_ids, self.group_ids[rows],
+                            [self.completions[i] for i in rows], [self.texts[i] for i in rows], self.rewards[rows])
+
+    def select_prompts(self, positions: torch.Tensor) -> RolloutBatch:
+        """The prompts at ``positions`` ``(P',)`` (in that order) with all their samples, renumbered."""
+        new_group = torch.full((self.num_prompts,), -1, dtype=torch.long)
+        new_group[positions] = torch.arange(positions.numel())
+        kept = new_group[self.group_ids] >= 0  # (S,)
+        rows = kept.nonzero().squeeze(1)
+        order = rows[torch.argsort(new_group[self.group_ids[rows]], stable=True)].tolist()  # prompt-major
+        return RolloutBatch(self.prompt_indices[positions], [self.prompt_token_ids[i] for i in positions.tolist()],
+                            new_group[self.group_ids[order]], [self.completions[i] for i in order],
+                            [self.texts[i] for i in order], self.rewards[order])
+
+    @staticmethod
+    def concat(parts: Sequence[RolloutBatch]) -> RolloutBatch:
+        """Batches of different prompts side by side (prompt positions offset, order kept)."""
+        offsets = torch.tensor([0, *[part.num_prompts for part in parts]]).cumsum(0)
+        return RolloutBatch(
+            torch.cat([part.prompt_indices for part in parts]),
+            [ids for part in parts for ids in part.prompt_token_ids],
+            torch.cat([part.group_ids + offsets[k] for k, part in enumerate(parts)]),
+            [c for part in parts for c in part.completions],
+            [t for part in parts for t in part.texts],
+            torch.cat([part.rewards for part in parts]),
+        )
+
+    @staticmethod
+    def merge_rounds(base: RolloutBatch, parts: Sequence[RolloutBatch],
+                     positions: Sequence[torch.Tensor]) -> RolloutBatch:
+        """Several rounds of samples for subsets of ``base``'s prompts as one prompt-major batch.
+
+        ``parts[k]`` answers ``base``'s prompts at ``positions[k]``; ``base`` provides the
+        prompt list (its own samples are not included).
+        """
+        group_ids = torch.cat([pos[part.group_ids] for part, pos in zip(parts, positions)])  # (S,)
+        completions = [c for part in parts for c in part.completions]
+        texts = [t for part in parts for t in part.texts]
+        rewards = torch.cat([part.rewards for part in parts])
+        order = torch.argsort(group_ids, stable=True).tolist()
+        return RolloutBatch(base.prompt_indices, base.prompt_token_ids, group_ids[order],
+                            [completions[i] for i in order], [texts[i] for i in order], rewards[order])
+
 
 def to_train_batch(
     prompt_token_ids: Sequence[Sequence[int]],

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from pipeline import configlib
-from pipeline.config import RLConfig
+from pipeline.config import RLConfig, RolloutConfig
 from pipeline.data import Prompt, load_prompts
 from pipeline.metrics import MetricsWriter
 from pipeline.models.spec import ModelSpec
 from pipeline.models.tokenizer import load_tokenizer, prompt_token_ids
 from pipeline.rl.methods import Methods, build_methods
+from pipeline.rl.sampling import Sampling, build_sampling
 from pipeline.rl.stream import PromptStream
 from pipeline.stats.store import PromptStatsStore
 from pipeline.trainer.actor import Actor
@@ -72,13 +73,14 @@ class Run:
     context: Any
     actor: Actor
     reference: Actor | None  # frozen initial policy for the KL term, when algorithm.kl_coef > 0
-    engine: Any
+    engine: Any  # None on every rank but global rank 0
     pool: Any
     tokenizer: Any
     prompts: list[Prompt]
     prompt_token_ids: list[list[int]]
     eval_prompts: list[Prompt]
     methods: Methods
+    sampling: Sampling
     stream: PromptStream
     stats: PromptStatsStore
     ledger: Ledger
@@ -91,14 +93,16 @@ class Run:
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """JSON state and tensors of everything but the actor (which the manager saves itself)."""
         stats = self.stats.state_dict()
+        sampling_state, sampling_tensors = self.sampling.state()
         state = {
             "stream": self.stream.state_dict(),
             "ledger": self.ledger.state_dict(),
             "methods": {name: obj.state_dict() for name, obj in self.methods.stateful.items()},
+            "sampling": sampling_state,
             "stats_meta": stats["meta"],
             "temperature": self.extras.get("temperature"),
         }
-        return state, {f"stats.{k}": v for k, v in stats["tensors"].items()}
+        return state, {**{f"stats.{k}": v for k, v in stats["tensors"].items()}, **sampling_tensors}
 
     def load_state(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         self.stream.load_state_dict(state["stream"])
@@ -107,15 +111,80 @@ class Run:
             obj.load_state_dict(state["methods"][name])
         stats_tensors = {k.removeprefix("stats."): v for k, v in tensors.items() if k.startswith("stats.")}
         self.stats.load_state_dict({"meta": state["stats_meta"], "tensors": stats_tensors})
+        self.sampling.load_state(state["sampling"], tensors)
         self.extras["temperature"] = state["temperature"]
+
+
+@dataclass(frozen=True, slots=True)
+class InitialPolicy:
+    spec: ModelSpec
+    weights: Path  # a verified winnow checkpoint step directory
+    tokenizer_dir: Path
+
+
+def initial_policy(cfg: RLConfig, *, context) -> InitialPolicy:
+    """The policy RL starts from: ``cfg.policy`` (a winnow checkpoint) or the bootstrap policy.
+
+    A Hugging Face folder is converted once with ``winnow convert hf-to-megatron``, which
+    checks logit parity; starting from unverified weights is not offered.
+    """
+    from pipeline.checkpoint.tool import _read_manifest, _spec_from_manifest, resolve_checkpoint
+    from pipeline.eval.policy import is_hf_folder
+    from pipeline.stages.bootstrap import run_bootstrap
+
+    if cfg.policy is None:
+        base = run_bootstrap(cfg.bootstrap, context=context)
+        weights = CheckpointManager(base.checkpoint_dir, keep_last=1, rank=context.rank,
+                                    world_size=context.world_size).newest_valid()
+        if weights is None:
+            raise FileNotFoundError(f"no valid checkpoint under {base.checkpoint_dir}")
+        return InitialPolicy(ModelSpec(**base.summary["model_spec"]), weights, Path(cfg.tokenizer or base.tokenizer_dir))
+    if is_hf_folder(Path(cfg.policy)):
+        raise ValueError(f"policy: {cfg.policy} is a Hugging Face folder; convert it once with `winnow convert "
+                         f"hf-to-megatron --hf {cfg.policy} --out DIR` (it verifies logit parity) and pass DIR")
+    step_dir = resolve_checkpoint(cfg.policy)
+    tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else step_dir.parent / "tokenizer"
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer: no tokenizer.json in {tokenizer_dir}; set tokenizer=DIR")
+    return InitialPolicy(_spec_from_manifest(_read_manifest(step_dir), step_dir=step_dir), step_dir, tokenizer_dir)
+
+
+def seed_stats_from_curation(stats: PromptStatsStore, curation_dir: str) -> None:
+    """Record the curation's measured pass rates for the training prompts it sampled."""
+    from pipeline.stages.curate import load_curation
+
+    curation = load_curation(curation_dir)
+    known = set(stats.prompt_ids)
+    rows = [i for i, prompt_id in enumerate(curation.prompt_ids) if prompt_id in known and curation.num_samples[i] > 0]
+    if not rows:
+        raise ValueError(f"curation_dir: {curation_dir} measured none of the {stats.num_prompts} training prompts "
+                         "(is data.train the curation's kept.jsonl?)")
+    stats.seed_from_curation(prompt_ids=[curation.prompt_ids[i] for i in rows],
+                             pass_rates=torch.from_numpy(curation.pass_rates[rows]),
+                             num_samples=torch.from_numpy(curation.num_samples[rows]))
+
+
+def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_dir: Path):
+    """The rollout engine the config names: the in-process HF engine or SGLang servers."""
+    if cfg.engine == "sglang":
+        from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
+        from pipeline.rollout.weight_sync import DiskSyncedEngine
+
+        engine = SGLangEngine(cfg.servers, config=SGLangClientConfig(
+            request_timeout_s=cfg.request_timeout_s, batch_timeout_s=cfg.batch_timeout_s,
+            max_attempts=cfg.max_attempts))
+        return DiskSyncedEngine(engine, weights_dir=cfg.weights_dir, spec=spec, tokenizer_dir=tokenizer_dir)
+    from pipeline.rollout.local import LocalEngine
+    from pipeline.rollout.weight_sync import build_hf_model
+
+    return LocalEngine(build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, show_progress=False)
 
 
 def setup_run(cfg: RLConfig, *, context=None) -> Run:
     from pipeline.parallel.context import ParallelContext
     from pipeline.rewards import GradingPool
-    from pipeline.rollout.local import LocalEngine
-    from pipeline.rollout.weight_sync import build_hf_model
-    from pipeline.stages.bootstrap import _single_process_rendezvous, run_bootstrap
+    from pipeline.stages.bootstrap import _single_process_rendezvous
 
     if context is None:
         context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed,
@@ -123,9 +192,9 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
     output_dir = Path(cfg.logging.output_dir)
     if context.rank == 0:
         configlib.save_resolved(cfg, output_dir)
-    base = run_bootstrap(cfg.bootstrap, context=context)
-    tokenizer = load_tokenizer(base.tokenizer_dir)
-    spec = ModelSpec(**base.summary["model_spec"])
+    policy = initial_policy(cfg, context=context)
+    tokenizer = load_tokenizer(policy.tokenizer_dir)
+    spec = policy.spec
     actor = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=cfg.optim, seed=cfg.seed)
     checkpoints = CheckpointManager(cfg.checkpoint.directory, keep_last=cfg.checkpoint.keep_last,
                                     rank=context.rank, world_size=context.world_size)
@@ -144,19 +213,22 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
     eval_prompts, _ = load_prompts(cfg.eval_set, split="test")
     methods = build_methods(cfg.algorithm, total_steps=cfg.steps, group_size=cfg.group_size,
                             vocab_size=spec.vocab_size, temperature=cfg.temperature)
-    initial_weights = CheckpointManager(base.checkpoint_dir, keep_last=1, rank=context.rank,
-                                        world_size=context.world_size).newest_valid()
+    stats = PromptStatsStore([p.id for p in prompts], ema_decay=cfg.algorithm.ada_est.ema_decay)
+    if cfg.curation_dir is not None:
+        seed_stats_from_curation(stats, cfg.curation_dir)
+    sampling = build_sampling(cfg.algorithm, group_size=cfg.group_size, texts=[p.problem for p in prompts],
+                              stats=stats, seed=cfg.seed)
     reference = None
     if cfg.algorithm.kl_coef > 0:
         reference = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=None, seed=cfg.seed)
-        load_model_weights(initial_weights, reference.module)
+        load_model_weights(policy.weights, reference.module)
     run = Run(
         cfg=cfg, context=context, actor=actor, reference=reference,
-        engine=LocalEngine(build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
-                           pad_token_id=tokenizer.pad_token_id, show_progress=False),
+        # Only global rank 0 drives the engine; the other ranks receive its graded samples.
+        engine=build_engine(cfg.rollout, spec=spec, tokenizer=tokenizer, tokenizer_dir=policy.tokenizer_dir) if context.rank == 0 else None,
         pool=GradingPool(**cfg.reward.pool_kwargs()), tokenizer=tokenizer, prompts=prompts,
-        prompt_token_ids=encoded_prompts, eval_prompts=eval_prompts, methods=methods,
-        stream=PromptStream(len(prompts), seed=cfg.seed), stats=PromptStatsStore([p.id for p in prompts]),
+        prompt_token_ids=encoded_prompts, eval_prompts=eval_prompts, methods=methods, sampling=sampling,
+        stream=PromptStream(len(prompts), seed=cfg.seed), stats=stats,
         ledger=Ledger(), checkpoints=checkpoints, writer=None, start_step=0, output_dir=output_dir,
         extras={"temperature": cfg.temperature},
     )
@@ -169,7 +241,7 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
         run.start_step = loaded.step
         logger.info("resumed from %s at step %d", resume_from, loaded.step)
     else:
-        load_model_weights(initial_weights, actor.module)
+        load_model_weights(policy.weights, actor.module)
     if context.rank == 0:
         run.writer = MetricsWriter(output_dir, tensorboard=cfg.logging.tensorboard,
                                    resume_from_step=run.start_step if resume_from is not None else None)

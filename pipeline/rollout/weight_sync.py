@@ -9,7 +9,9 @@ data-parallel replicas hold copies and send nothing.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -60,3 +62,38 @@ def sync_actor_to_engine(actor, engine, *, version: int) -> None:
     pairs = actor_hf_state(actor)
     if pairs is not None:
         engine.update_weights(pairs, version=version)
+
+
+class DiskSyncedEngine:
+    """An SGLang engine whose weights follow the actor through a shared folder.
+
+    Each sync writes the HF export to ``<weights_dir>/v<version>`` (atomically: the
+    writer stages and renames) and asks every server to load it; the previous export
+    is removed once the servers run the new one. Generation passes through. This is
+    the path that works when trainer and servers are on different nodes with only a
+    shared filesystem between them.
+    """
+
+    def __init__(self, engine, *, weights_dir: str | Path, spec: ModelSpec, tokenizer_dir: str | Path) -> None:
+        self.engine = engine
+        self.weights_dir = Path(weights_dir)
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        self.spec = spec
+        self.tokenizer_dir = Path(tokenizer_dir)
+        self._current: Path | None = None
+
+    def generate(self, requests, params):
+        return self.engine.generate(requests, params)
+
+    def update_weights(self, named_tensors, *, version: int) -> None:
+        from pipeline.checkpoint.hf_io import write_hf_checkpoint
+
+        export = write_hf_checkpoint(self.weights_dir / f"v{version}", named_tensors, spec=self.spec,
+                                     tokenizer_dir=self.tokenizer_dir, overwrite=True)
+        self.engine.update_weights_from_disk(str(export), version=version)
+        if self._current is not None and self._current != export:
+            shutil.rmtree(self._current, ignore_errors=True)
+        self._current = export
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,11 +1,13 @@
 """`winnow rl`: the RL loop, read top to bottom like the algorithm box of a paper.
 
-select prompts → (filter) → allocate budgets → generate → grade → advantages →
-select samples → weight/select tokens → update the actor → sync weights to the
-engine → update statistics and schedules → log → checkpoint.
+select prompts → filter (DEPO) → allocate budgets (uniform, E3, Ada-Est) → generate
+and grade (one round, Reinforce-Ada-Seq rounds, DAPO top-ups) → advantages → select
+samples → weight/select tokens → update the actor → sync weights to the engine →
+update the estimator, statistics and schedules → log → checkpoint.
 
-Methods come from the registries through ``pipeline/rl/methods.py``; the loop
-never branches on a method name. Everything a step changes is in the checkpoint,
+Methods come from the registries through ``pipeline/rl/methods.py`` (advantage, loss,
+sample and token selection, temperature) and ``pipeline/rl/sampling.py`` (prompt
+filter, budget, sampler); the loop never branches on a method name. Everything a step changes is in the checkpoint,
 and sampling seeds derive from (seed, step), so a resumed run reproduces an
 uninterrupted one bit for bit on CPU.
 """
@@ -17,7 +19,9 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
+from pipeline.algorithms.depo import observed_zero_variance
 from pipeline.config import RLConfig
 from pipeline.eval.runner import sample_and_grade, score
 from pipeline.rl.methods import token_weights
@@ -26,6 +30,7 @@ from pipeline.rl.setup import Run, StopRequest, setup_run
 from pipeline.rollout.mismatch import logprob_mismatch
 from pipeline.rollout.types import GenerationRequest, SamplingParams
 from pipeline.rollout.weight_sync import sync_actor_to_engine
+from pipeline.trainer.batch import TrainBatch
 
 
 class PhaseTimer:
@@ -45,21 +50,47 @@ def step_seed(seed: int, step: int) -> int:
 
 def generate_and_grade(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *, temperature: float,
                        seed: int) -> RolloutBatch:
-    requests = [GenerationRequest(prompt_id=run.prompts[i].id, prompt_token_ids=run.prompt_token_ids[i],
-                                  num_samples=int(n)) for i, n in zip(indices.tolist(), budgets.tolist())]
-    params = SamplingParams(max_new_tokens=run.cfg.max_new_tokens, temperature=temperature,
-                            top_p=run.cfg.top_p, seed=seed)
-    completions = run.engine.generate(requests, params)
-    texts = [run.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in completions]
-    position = {run.prompts[i].id: g for g, i in enumerate(indices.tolist())}
-    group_ids = torch.tensor([position[c.prompt_id] for c in completions], dtype=torch.long)  # (S,)
-    grades = run.pool.grade_batch([(t, run.prompts[int(indices[g])].answer) for t, g in zip(texts, group_ids)])
-    rewards = torch.tensor([g.score for g in grades], dtype=torch.float32)  # (S,)
+    """Rank 0 generates and grades; every rank receives the same graded samples."""
+    payload = None
+    if run.engine is not None:
+        # Request ids carry the position: a step may draw one prompt twice (epoch wrap, DAPO top-ups).
+        requests = [GenerationRequest(prompt_id=f"{run.prompts[i].id}#{g}", prompt_token_ids=run.prompt_token_ids[i],
+                                      num_samples=int(n))
+                    for g, (i, n) in enumerate(zip(indices.tolist(), budgets.tolist()))]
+        params = SamplingParams(max_new_tokens=run.cfg.max_new_tokens, temperature=temperature,
+                                top_p=run.cfg.top_p, seed=seed)
+        completions = run.engine.generate(requests, params)
+        texts = [run.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in completions]
+        position = {request.prompt_id: g for g, request in enumerate(requests)}
+        group_ids = torch.tensor([position[c.prompt_id] for c in completions], dtype=torch.long)  # (S,)
+        grades = run.pool.grade_batch([(t, run.prompts[int(indices[g])].answer) for t, g in zip(texts, group_ids)])
+        rewards = torch.tensor([g.score for g in grades], dtype=torch.float32)  # (S,)
+        payload = (group_ids, completions, texts, rewards)
+    if run.context.world_size > 1:
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        payload = box[0]
+    group_ids, completions, texts, rewards = payload
     return RolloutBatch(indices, [run.prompt_token_ids[i] for i in indices.tolist()], group_ids, completions,
                         texts, rewards)
 
 
+def question_logprobs(run: Run, rollouts: RolloutBatch) -> torch.Tensor:
+    """(P,) the actor's mean log-prob of each prompt's question tokens: DEPO's perplexity target."""
+    prompts = rollouts.prompt_token_ids
+    tokens = torch.full((len(prompts), max(len(ids) for ids in prompts)), run.tokenizer.pad_token_id)  # (P, T)
+    mask = torch.zeros(tokens.shape, dtype=torch.bool)  # (P, T): every question token with a prefix
+    for row, ids in enumerate(prompts):
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        mask[row, 1 : len(ids)] = True
+    logprobs = run.actor.compute_logprobs(TrainBatch(tokens=tokens, response_mask=mask))  # (P, T)
+    return logprobs.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+
+
 def evaluate(run: Run, *, temperature: float) -> dict[str, float]:
+    """Sampled pass@1 on the held-out set (rank 0, which drives the engine; {} elsewhere)."""
+    if run.engine is None:
+        return {}
     results = sample_and_grade(engine=run.engine, tokenizer=run.tokenizer, prompts=run.eval_prompts,
                                num_samples=run.cfg.eval_samples, pool=run.pool, template=run.cfg.data.template,
                                params=SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
@@ -72,7 +103,7 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
     from tqdm import tqdm
 
     run = setup_run(cfg, context=context)
-    actor, methods, ledger = run.actor, run.methods, run.ledger
+    actor, methods, sampling, ledger = run.actor, run.methods, run.sampling, run.ledger
     sync_actor_to_engine(actor, run.engine, version=run.start_step + 1)
     last: dict[str, float] = {}
     if run.start_step == 0 and run.writer is not None:
@@ -82,15 +113,33 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                disable=not cfg.logging.progress, unit="step")
     with StopRequest() as stop:
         for step in bar:
-            timer, seed = PhaseTimer(), step_seed(cfg.seed, step)
+            timer, seed, metrics = PhaseTimer(), step_seed(cfg.seed, step), {}
             temperature = run.extras["temperature"]
-            with timer("select"):
-                indices, epoch_ended = run.stream.next(cfg.prompts_per_step)
-                budgets = torch.full((len(indices),), cfg.group_size)  # uniform G
+            epochs_ended = []
+
+            def draw(count: int) -> torch.Tensor:
+                indices, ended = run.stream.next(count)
+                epochs_ended.append(ended)
+                return indices
+
+            def generate(indices: torch.Tensor, budgets: torch.Tensor, round_index: int) -> RolloutBatch:
+                return generate_and_grade(run, indices, budgets, temperature=temperature,
+                                          seed=step_seed(seed, round_index))
+
+            with timer("filter"):
+                candidates = draw(sampling.prompt_filter.num_candidates(cfg.prompts_per_step))
+                selected, filter_metrics = sampling.prompt_filter.select(
+                    candidates, batch_size=cfg.prompts_per_step, step=step, group_size=cfg.group_size)
+                budgets, budget_metrics = sampling.budget.allocate(selected.indices)
             with timer("generate_and_grade"):
-                rollouts = generate_and_grade(run, indices, budgets, temperature=temperature, seed=seed)
+                sampled = sampling.sampler.sample(selected.indices, budgets, generate=generate, draw=draw, seed=seed)
+                pool, rollouts, baseline = sampled.pool, sampled.train, sampled.baseline
+            metrics.update(filter_metrics | budget_metrics | sampled.metrics)
             with timer("advantage"):
-                advantages, metrics = methods.advantage(rewards=rollouts.rewards, group_ids=rollouts.group_ids)
+                advantages, advantage_metrics = methods.advantage(
+                    rewards=rollouts.rewards, group_ids=rollouts.group_ids, pool_rewards=baseline.rewards,
+                    pool_group_ids=baseline.group_ids)
+                metrics.update(advantage_metrics)
                 keep_mask = torch.ones(rollouts.num_samples, dtype=torch.bool)
                 num_keep, keep_ratio = methods.d3s_schedule.current() if methods.d3s_schedule else (None, None)
                 if methods.select_samples is not None:
@@ -120,31 +169,38 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
             with timer("sync"):
                 sync_actor_to_engine(actor, run.engine, version=step + 2)
 
-            num_correct, num_samples = rollouts.num_correct_per_prompt(), rollouts.num_samples_per_prompt()
-            reward_sum = torch.zeros(len(indices), dtype=torch.float64).index_add_(
-                0, rollouts.group_ids, rollouts.rewards.double())
-            run.stats.record_rollouts(prompt_ids=indices, num_samples=num_samples, num_correct=num_correct,
-                                      reward_sum=reward_sum, step=step)
+            with timer("estimator"):
+                logprobs = question_logprobs(run, pool) if sampling.prompt_filter.needs_question_logprobs else None
+                metrics.update(sampling.prompt_filter.observe(pool, question_logprobs=logprobs, selected=selected))
+            record_statistics(run, pool=pool, filtered=selected.dropped, step=step)
+            if any(epochs_ended):
+                metrics.update(sampling.budget.end_pass())
             mean_entropy = float(entropy[batch.response_mask].mean())
             if methods.d3s_schedule is not None:
                 methods.d3s_schedule.update()
             if methods.temperature is not None:
                 run.extras["temperature"], temperature_metrics = methods.temperature.update(entropy=mean_entropy, step=step)
                 metrics.update(temperature_metrics)
-            tokens = int(batch.response_mask.sum())
+            tokens = sum(c.token_ids.numel() for c in pool.completions)
             gradient_tokens = int((token_mask & (batch.advantages != 0)).sum())
-            zero_variance = int(((num_correct == 0) | (num_correct == num_samples)).sum())
+            zero_variance = int(observed_zero_variance(rewards=pool.rewards, group_ids=pool.group_ids,
+                                                       num_groups=pool.num_prompts).sum())
             ledger.tokens_generated += tokens
             ledger.tokens_with_gradient += gradient_tokens
-            ledger.samples_discarded += int((~keep_mask).sum())
+            ledger.prompts_filtered += selected.dropped.numel()
+            ledger.samples_discarded += pool.num_samples - kept_rows.numel()
             ledger.zero_variance_groups += zero_variance
-            ledger.groups += len(indices)
+            ledger.groups += pool.num_prompts
             _, mismatch = logprob_mismatch(engine_logprobs, old_logprobs, mask=batch.response_mask)
+            budget_counts = pool.num_samples_per_prompt().double()
             last = {
-                "reward_mean": float(rollouts.rewards.mean()), "pass_rate": float((rollouts.rewards > 0).float().mean()),
+                "reward_mean": float(pool.rewards.mean()), "pass_rate": float((pool.rewards > 0).float().mean()),
                 "entropy": mean_entropy, "temperature": temperature, "loss": update.loss, "grad_norm": update.grad_norm,
                 "skipped_step": update.skipped, "lr": update.learning_rate,
-                "usefulness": 1.0 - zero_variance / len(indices), "kept_token_ratio": gradient_tokens / max(tokens, 1),
+                "usefulness": 1.0 - zero_variance / pool.num_prompts, "kept_token_ratio": gradient_tokens / max(tokens, 1),
+                "filter_ratio": selected.dropped.numel() / max(candidates.numel(), 1),
+                "budget/samples_per_prompt_mean": float(budget_counts.mean()),
+                "budget/samples_per_prompt_max": float(budget_counts.max()),
                 "mismatch/mean_abs": float(mismatch["mean_abs_diff"]), "mismatch/max_abs": float(mismatch["max_abs_diff"]),
                 **{f"update/{k}": v for k, v in update.metrics.items()},
                 **{k: float(v) for k, v in metrics.items()},
@@ -164,6 +220,16 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 break
     finish(run)
     return last
+
+
+def record_statistics(run: Run, *, pool: RolloutBatch, filtered: torch.Tensor, step: int) -> None:
+    """Every sampled prompt's counts, and the filtered ones with zero samples (their EMA decays)."""
+    zeros = torch.zeros(filtered.numel(), dtype=torch.int64)
+    run.stats.record_rollouts(
+        prompt_ids=torch.cat([pool.prompt_indices, filtered]),
+        num_samples=torch.cat([pool.num_samples_per_prompt(), zeros]),
+        num_correct=torch.cat([pool.num_correct_per_prompt(), zeros]),
+        reward_sum=torch.cat([pool.reward_sum_per_prompt(), zeros.double()]), step=step)
 
 
 def finish(run: Run) -> None:

@@ -78,6 +78,10 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path):
      "algorithm.d3s.num_keep_init=2", "algorithm.d3s.num_keep_final=4", "algorithm.aggregation=d3s"],
     ["algorithm.loss=gspo", "algorithm.eps_low=0.0003", "algorithm.eps_high=0.0004", "algorithm.temperature=e3"],
     ["algorithm.sample_selector=pods", "algorithm.advantage=dr_grpo", "algorithm.kl_coef=0.05"],
+    ["algorithm.sampling=dynamic", "algorithm.budget=e3", "algorithm.e3_budget.min_limit=2",
+     "algorithm.e3_budget.max_limit=8", 'data.train=["arith?difficulty=1&size=6"]'],
+    ["algorithm.budget=ada_est", "algorithm.ada_est.min_budget=2", "algorithm.ada_est.max_budget=8",
+     'data.train=["arith?difficulty=1&size=6"]'],
 ])
 def test_method_combinations_run_and_log_their_metrics(tmp_path, extra):
     outcome = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path), extra, None))[0]
@@ -92,3 +96,34 @@ def test_method_combinations_run_and_log_their_metrics(tmp_path, extra):
         assert any(row["update/kl_ref"] > 0 for row in rows[2:])  # the policy moved away from the reference
     if "algorithm.temperature=e3" in extra:
         assert any(row.get("e3/temperature") not in (None, 1.0) for row in rows[1:])
+    if "algorithm.sampling=dynamic" in extra:
+        # 6 prompts, 4 per step: the first pass ends in step 2 and E3 widens its bounds.
+        assert rows[1]["e3/g_max"] == 4.0 and rows[-1]["e3/g_max"] > 4.0
+        assert all(row["dapo/rounds"] >= 1 for row in rows[1:])
+    if "algorithm.budget=ada_est" in extra:
+        assert any(row["budget/samples_per_prompt_max"] > 4 for row in rows[2:])  # revisited prompts get unequal budgets
+        assert all(row["budget/mean"] == 4.0 for row in rows[1:])  # Σ N = B·G
+
+
+DEFAULT_COMBINATION = [
+    "algorithm.sampling=ada_seq", "algorithm.advantage=global_baseline", "algorithm.ada_seq.max_samples=12",
+    "algorithm.prompt_filter=depo", "algorithm.depo.warmup_steps=2", "algorithm.depo.threshold=0.3",
+    "algorithm.sample_selector=d3s_cross", 'algorithm.token_weights=["d3s_topk", "cw_grpo"]',
+    "algorithm.d3s.num_keep_init=2", "algorithm.d3s.num_keep_final=4", "algorithm.aggregation=d3s",
+    "algorithm.temperature=e3",
+]
+
+
+@pytest.mark.slow
+def test_default_combination_runs_and_resumes_exactly(tmp_path):
+    """DEPO + Ada-Seq-BALANCE + D³S + CW-GRPO + E3 temperature: every stateful part survives a restart."""
+    straight = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "a"), DEFAULT_COMBINATION, None))[0]
+    resumed = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "b"), DEFAULT_COMBINATION, 3))[0]
+    for name, value in straight["weights"].items():
+        assert torch.equal(value, resumed["weights"][name]), name
+    assert _strip_times(straight["rows"]) == _strip_times(resumed["rows"])
+    rows = straight["rows"]
+    assert [row["depo/filter_active"] for row in rows[1:]] == [0.0, 0.0, 1.0, 1.0]
+    assert rows[-1]["estimator/num_updates"] == 4.0
+    assert all(row["ada/pool_size_mean"] >= 4 for row in rows[1:])
+    assert all(row["balanced/kept_fraction"] <= 1.0 for row in rows[1:])
