@@ -385,6 +385,9 @@ class RLConfig:
         default_factory=lambda: OptimConfig(lr=1e-4, total_steps=100), help="actor optimizer"
     )
     trainer: TrainerConfig = section(TrainerConfig, help="micro-batching and the log-prob head")
+    parallel: ParallelConfig = section(
+        ParallelConfig, help="trainer layout; data parallel = world size / (TP·PP) under torchrun"
+    )
     reward: RewardConfig = section(RewardConfig, help="grading pool")
     checkpoint: CheckpointConfig = option(
         default_factory=lambda: CheckpointConfig(directory="runs/rl/checkpoints", every_steps=25),

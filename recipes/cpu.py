@@ -44,6 +44,89 @@ def e3_temperature_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
     return cfg
 
 
+def grpo_n4_cpu(*, steps: int = 100, group_size: int = 4) -> RLConfig:
+    """GRPO with G = 4: the update cost Ada-Seq-BALANCE claims to keep."""
+    return grpo_cpu(steps=steps, group_size=group_size)
+
+
+def grpo_n16_cpu(*, steps: int = 100, group_size: int = 16) -> RLConfig:
+    """GRPO with G = 16: the accuracy Ada-Seq-BALANCE claims to reach."""
+    return grpo_cpu(steps=steps, group_size=group_size)
+
+
+def d3s_i_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
+    """D³S-I: samples selected within each group (Eq. 6) instead of across groups."""
+    cfg = d3s_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.sample_selector = "d3s_intra"
+    return cfg
+
+
+def cw_grpo_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
+    """CW-GRPO: covariance token weights on plain GRPO."""
+    cfg = grpo_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.token_weights = ["cw_grpo"]
+    return cfg
+
+
+def pods_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
+    """PODS: max-variance down-sampling to N = G/2 of G samples, N held fixed."""
+    cfg = grpo_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.sample_selector = "pods"
+    cfg.algorithm.d3s = D3SConfig(num_keep_init=group_size // 2, num_keep_final=group_size // 2, dynamic=False)
+    return cfg
+
+
+def dapo_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
+    """DAPO dynamic sampling: top up the batch with prompts whose groups have reward variance."""
+    cfg = grpo_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.sampling = "dynamic"
+    return cfg
+
+
+def ada_seq_balance_cpu(*, steps: int = 100, group_size: int = 4) -> RLConfig:
+    """Reinforce-Ada-Seq-BALANCE: rounds of 4 until 2 correct and 2 incorrect (cap 16), pool
+    baseline, balanced down-sampling to G = 4 — GRPO-n16-level signal at n = 4 update cost."""
+    cfg = grpo_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.sampling = "ada_seq"
+    cfg.algorithm.advantage = "global_baseline"
+    cfg.algorithm.ada_seq = dataclasses.replace(cfg.algorithm.ada_seq, exit_rule="balance", max_samples=16)
+    return cfg
+
+
+def ada_seq_pos_cpu(*, steps: int = 100, group_size: int = 4) -> RLConfig:
+    """Reinforce-Ada-Seq-POS: exit once a prompt has k_pos = 2 correct answers."""
+    cfg = ada_seq_balance_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.ada_seq.exit_rule = "pos"
+    return cfg
+
+
+def ada_est_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
+    """Reinforce-Ada-Est: budgets ∝ 1/√p̂ from EMA/Beta pass rates in [2, 16], 1/√p̂ advantage weight."""
+    cfg = grpo_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.budget = "ada_est"
+    cfg.algorithm.ada_est = dataclasses.replace(cfg.algorithm.ada_est, min_budget=2, max_budget=2 * group_size)
+    cfg.algorithm.advantage = "global_baseline"
+    cfg.algorithm.baseline_weight = "inv_sqrt_mean"
+    return cfg
+
+
+def depo_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
+    """DEPO: an online-trained estimator drops likely zero-variance prompts after 10 warm-up steps."""
+    cfg = grpo_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.prompt_filter = "depo"
+    return cfg
+
+
+def e3_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
+    """E3: rank-based rollout budgets (G_min/G_max widening by 2 per pass to [4, 16]) and the
+    entropy-targeting temperature with annealing (E3 TS+AN)."""
+    cfg = e3_temperature_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.budget = "e3"
+    cfg.algorithm.e3_budget = dataclasses.replace(cfg.algorithm.e3_budget, min_limit=group_size // 2,
+                                                  max_limit=2 * group_size)
+    return cfg
+
+
 def default_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
     """The combined default: DEPO filter + Ada-Seq-BALANCE + D³S + CW-GRPO + E3 temperature.
 
@@ -61,8 +144,19 @@ def default_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
 
 RECIPES = {
     "grpo_cpu": grpo_cpu,
+    "grpo_n4_cpu": grpo_n4_cpu,
+    "grpo_n16_cpu": grpo_n16_cpu,
     "d3s_cpu": d3s_cpu,
+    "d3s_i_cpu": d3s_i_cpu,
     "d3s_cw_cpu": d3s_cw_cpu,
+    "cw_grpo_cpu": cw_grpo_cpu,
+    "pods_cpu": pods_cpu,
+    "dapo_cpu": dapo_cpu,
+    "ada_seq_pos_cpu": ada_seq_pos_cpu,
+    "ada_seq_balance_cpu": ada_seq_balance_cpu,
+    "ada_est_cpu": ada_est_cpu,
+    "depo_cpu": depo_cpu,
     "e3_temperature_cpu": e3_temperature_cpu,
+    "e3_cpu": e3_cpu,
     "default_cpu": default_cpu,
 }

@@ -187,8 +187,10 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
     from pipeline.stages.bootstrap import _single_process_rendezvous
 
     if context is None:
-        context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed,
-                                             **_single_process_rendezvous())
+        backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
+        context = ParallelContext.initialize(tensor_parallel=cfg.parallel.tensor_parallel,
+                                             pipeline_parallel=cfg.parallel.pipeline_parallel, seed=cfg.seed,
+                                             backend=backend, **_single_process_rendezvous())
     output_dir = Path(cfg.logging.output_dir)
     if context.rank == 0:
         configlib.save_resolved(cfg, output_dir)

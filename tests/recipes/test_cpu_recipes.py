@@ -31,3 +31,26 @@ def test_d3s_differs_from_grpo_only_in_the_algorithm():
 def test_cw_builds_on_d3s():
     assert d3s_cw_cpu().algorithm.token_weights == ["d3s_topk", "cw_grpo"]
     assert grpo_cpu(steps=7).optim.total_steps == 7
+
+
+@pytest.mark.parametrize(("name", "parent", "changed"), [
+    ("d3s_i_cpu", "d3s_cpu", {"algorithm.sample_selector"}),
+    ("cw_grpo_cpu", "grpo_cpu", {"algorithm.token_weights"}),
+    ("pods_cpu", "grpo_cpu", {"algorithm.sample_selector", "algorithm.d3s.num_keep_init",
+                              "algorithm.d3s.num_keep_final", "algorithm.d3s.dynamic"}),
+    ("dapo_cpu", "grpo_cpu", {"algorithm.sampling"}),
+    ("ada_seq_pos_cpu", "ada_seq_balance_cpu", {"algorithm.ada_seq.exit_rule"}),
+    ("ada_est_cpu", "grpo_cpu", {"algorithm.budget", "algorithm.ada_est.max_budget",  # min_budget 2 is the default
+                                 "algorithm.advantage", "algorithm.baseline_weight"}),
+    ("depo_cpu", "grpo_cpu", {"algorithm.prompt_filter"}),
+    ("e3_cpu", "e3_temperature_cpu", {"algorithm.budget"}),  # [G/2, 2G] = [4, 16] are the defaults at G = 8
+])
+def test_method_recipes_differ_from_their_parent_only_in_their_method(name, parent, changed):
+    child_values, parent_values = _flat(RECIPES[name]()), _flat(RECIPES[parent]())
+    assert {key for key in child_values if child_values[key] != parent_values[key]} == changed
+
+
+def test_ada_seq_balance_trains_on_n4_with_a_larger_pool():
+    cfg = RECIPES["ada_seq_balance_cpu"]()
+    assert cfg.group_size == 4 and cfg.algorithm.ada_seq.max_samples == 16
+    assert cfg.algorithm.advantage == "global_baseline" and cfg.algorithm.sampling == "ada_seq"
