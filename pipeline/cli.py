@@ -190,8 +190,134 @@ def _stats_commands() -> list[Command]:
                     stats_cli.add_stats_show_arguments, stats_cli.run_stats_show)]
 
 
+# ---------------------------------------------------------------- launch
+def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--executor", choices=["local", "slurm"], default="local",
+                        help="local: this machine, one stage at a time; slurm: one job per stage on a cluster profile")
+    parser.add_argument("--profile", default="dev", help="SLURM cluster profile: a name in slurm/profiles/ or a path")
+    parser.add_argument("--output-dir", default=None, help="the campaign's output root (default: the recipe's)")
+    parser.add_argument("--dryrun", action="store_true",
+                        help="write the task scripts (and sbatch scripts) without running anything")
+    parser.add_argument("--detach", action="store_true", help="slurm: submit and return without following the jobs")
+    parser.add_argument("--executor.nodes", dest="executor_nodes", type=int, default=None, metavar="N",
+                        help="trainer nodes of the multi-rank stages (bootstrap, rl)")
+    parser.add_argument("--executor.ranks-per-node", dest="executor_ranks_per_node", type=int, default=None,
+                        metavar="N", help="ranks per trainer node of the multi-rank stages")
+    parser.add_argument("--executor.time", dest="executor_time", default=None, metavar="TIME",
+                        help="SLURM time limit of every job, e.g. 04:00:00")
+    parser.add_argument("--executor.partition", dest="executor_partition", default=None, help="SLURM partition")
+    parser.add_argument("--executor.account", dest="executor_account", default=None, help="SLURM account")
+    parser.add_argument("--executor.container-image", dest="executor_container_image", default=None,
+                        help="pyxis container image")
+
+
+def _launch_campaign_arguments(parser: argparse.ArgumentParser) -> None:
+    from recipes.campaigns import CAMPAIGNS
+
+    parser.add_argument("--recipe", choices=sorted(CAMPAIGNS), default="cpu", help="the campaign recipe")
+    parser.add_argument("--model-dir", default=None, help="H100 recipes: the Hugging Face model folder to start from")
+    _add_executor_arguments(parser)
+    parser.add_argument("overrides", nargs="*", metavar="STAGE.KEY=VALUE",
+                        help="stage config overrides, e.g. rl-grpo.steps=5 curate.num_samples=4")
+
+
+def _launch_stage_arguments(parser: argparse.ArgumentParser) -> None:
+    from pipeline.launch.campaign import STAGE_CONFIGS
+
+    parser.add_argument("kind", choices=sorted(STAGE_CONFIGS), help="the stage to launch")
+    parser.add_argument("--config", metavar="YAML", help="a YAML file of the stage's options to load first")
+    parser.add_argument("--ranks-per-node", type=int, default=1, help="processes per node (bootstrap, rl)")
+    parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node the job requests")
+    _add_executor_arguments(parser)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of the stage's config")
+
+
+def _launch_options(args: argparse.Namespace):
+    from pipeline.launch.nemo import ExecutorOverrides, LaunchOptions, apply_profile_overrides
+    from pipeline.launch.slurm_profiles import load_profile
+
+    overrides = ExecutorOverrides(
+        nodes=args.executor_nodes, ranks_per_node=args.executor_ranks_per_node, time=args.executor_time,
+        partition=args.executor_partition, account=args.executor_account,
+        container_image=args.executor_container_image,
+    )
+    profile = apply_profile_overrides(load_profile(args.profile), overrides) if args.executor == "slurm" else None
+    return overrides, LaunchOptions(executor=args.executor, profile=profile, dryrun=args.dryrun,
+                                    wait=not args.detach)
+
+
+def _launch(plan, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipeline.launch.campaign import CampaignStatus
+    from pipeline.launch.nemo import apply_executor_overrides, launch_campaign
+
+    overrides, options = _launch_options(args)
+    plan = apply_executor_overrides(plan, overrides)
+    result = launch_campaign(plan, options=options)
+    if isinstance(result, Path):
+        print(f"dry run: task scripts under {result}")
+        for script in sorted(result.rglob("*.sh")):
+            print(f"  {script}")
+        return 0
+    print(CampaignStatus(plan.output_dir).format(plan))
+    if not options.wait:
+        return 0
+    if not result.ok:
+        failed = [name for name, state in result.states.items() if state == "failed"]
+        print(f"campaign {plan.name} did not finish: failed {', '.join(failed) or 'none'}; "
+              f"not run {', '.join(result.blocked) or 'none'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _launch_campaign(args: argparse.Namespace) -> int:
+    from recipes.campaigns import CAMPAIGNS
+
+    kwargs = {}
+    if args.output_dir:
+        kwargs["output_dir"] = args.output_dir
+    if args.model_dir:
+        if args.recipe.startswith("cpu"):
+            raise UserError(f"--model-dir: the {args.recipe} recipe bootstraps its own policy")
+        kwargs["model_dir"] = args.model_dir
+    if "output_dir" not in kwargs and not args.recipe.startswith("cpu"):
+        raise UserError(f"--output-dir: required for the {args.recipe} recipe (a directory every node shares)")
+    plan = CAMPAIGNS[args.recipe](**kwargs).with_overrides(args.overrides)
+    return _launch(plan, args)
+
+
+def _launch_stage(args: argparse.Namespace) -> int:
+    from pipeline.launch.campaign import STAGE_CONFIGS, CampaignPlan, Resources, Stage
+
+    config = configlib.load(STAGE_CONFIGS[args.kind], yaml_path=args.config, overrides=args.overrides)
+    resources = Resources(ranks_per_node=args.ranks_per_node, gpus_per_node=args.gpus_per_node)
+    plan = CampaignPlan(name=args.kind, output_dir=args.output_dir or f"runs/launch/{args.kind}",
+                        stages=[Stage(name=args.kind, kind=args.kind, config=config, resources=resources)])
+    return _launch(plan, args)
+
+
+def _launch_status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("output_dir", help="a campaign's output root (holds campaign.json and status.json)")
+
+
+def _launch_status(args: argparse.Namespace) -> int:
+    from pipeline.launch.campaign import CampaignPlan, CampaignStatus
+
+    plan = CampaignPlan.load(args.output_dir)
+    print(CampaignStatus(plan.output_dir).format(plan))
+    return 0
+
+
 GROUPS: dict[str, tuple[str, list[Command]]] = {
     "stats": ("inspect a run's per-prompt statistics store", _stats_commands()),
+    "launch": ("launch stages and whole campaigns with NeMo-Run, locally or on SLURM", [
+        Command("campaign", "run a campaign recipe's stages in dependency order; skips stages already done",
+                _launch_campaign_arguments, _launch_campaign),
+        Command("stage", "run one stage as a local task or a SLURM job", _launch_stage_arguments, _launch_stage),
+        Command("status", "print each stage's state from a campaign's status.json",
+                _launch_status_arguments, _launch_status),
+    ]),
     "convert": ("convert checkpoints between Hugging Face and Megatron, verified by logits", _convert_commands()),
     "data": ("inspect datasets and benchmarks", [
         Command("inspect", "print counts, fields, examples and bad-row counts of a dataset",

@@ -72,7 +72,7 @@ class TunnelProfile:
     )
     job_dir: str | None = option(
         None,
-        help="cluster-side directory for job scripts, code and logs (null: nemo-run's default; local tunnels only)",
+        help="ssh tunnels: cluster-side directory for job scripts and logs (local tunnels use <campaign>/nemo_run)",
     )
     host: str | None = option(None, help="ssh: login node host name")
     user: str | None = option(None, help="ssh: user name on the login node")
@@ -110,6 +110,17 @@ class SlurmProfile:
         None, help="SLURM_CONF for the SLURM commands the launcher runs (null: the cluster's default config)"
     )
     tunnel: TunnelProfile = option(help="how the launcher reaches the cluster")
+    python: str = option("python", help="the interpreter with winnow installed, on the nodes or in the container")
+    workdir: str | None = option(
+        None, help="winnow's checkout on the nodes or in the container (null: the launching checkout, local tunnels)"
+    )
+    env: dict[str, str] = option(default_factory=dict, help="environment variables exported in every job")
+    srun_args: list[str] = option(
+        default_factory=list, help="extra srun flags of every task, e.g. pyxis' --container-writable"
+    )
+    signal_s: int = option(
+        300, ge=60, help="rl jobs get SIGUSR1 this many seconds before their time limit, checkpoint and requeue"
+    )
 
     def __post_init__(self) -> None:
         for name in ("description", "partition"):

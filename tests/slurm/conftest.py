@@ -36,3 +36,20 @@ def slurm_cluster() -> Iterator[DevCluster]:
     assert stopped.returncode == 0, f"dev-cluster.sh stop exited {stopped.returncode}:\n{stopped.stderr}"
     assert cluster.daemon_pids() == {"munged": None, "slurmctld": None, "slurmd": None}
     shutil.rmtree(cluster.state_dir)
+
+
+@pytest.fixture
+def launch_profile(slurm_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory):
+    """The dev profile pointed at the session's cluster, this interpreter and this checkout."""
+    import dataclasses
+    import sys
+
+    from pipeline.launch.slurm_profiles import TunnelProfile, load_profile
+    from tests.slurm.cluster import REPO
+
+    jobs = tmp_path_factory.mktemp("nemo-jobs")
+    jobs.chmod(0o755)
+    return dataclasses.replace(
+        load_profile("dev"), slurm_conf=str(slurm_cluster.slurm_conf), python=sys.executable, workdir=str(REPO),
+        tunnel=TunnelProfile(kind="local", job_dir=str(jobs)),
+    )

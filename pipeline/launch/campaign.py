@@ -1,0 +1,530 @@
+"""Campaigns: a DAG of named stages, a status file, and the in-process runner.
+
+A campaign is bootstrap → curate → train-estimator → rl (one or more variants) →
+evaluate and export each variant, every stage a typed config plus the resources it
+runs on. :func:`wire_campaign` derives every path between stages from one output
+root, so a recipe states only sizes and methods. The same :class:`CampaignPlan`
+runs in one process (:func:`run_campaign_inprocess`, one ``ParallelContext`` shared by
+every stage: megatron initializes once per process) or as NeMo-Run tasks on a
+local machine or a SLURM cluster (:mod:`pipeline.launch.nemo`).
+
+``<output_dir>/campaign.json`` holds the plan (what the SLURM tasks read back) and
+``<output_dir>/status.json`` each stage's state (pending/running/done/failed) with
+times and attempts. Only ``done`` is final: a relaunch skips done stages and reruns
+the others, and a failed stage stops every stage that depends on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline import configlib
+from pipeline.config import BootstrapConfig, CurateConfig, EvaluateConfig, RLConfig, TrainEstimatorConfig
+from pipeline.configlib import ConfigError, option
+
+PLAN_FILE = "campaign.json"
+STATUS_FILE = "status.json"
+STATES = ("pending", "running", "done", "failed")
+# EX_TEMPFAIL: a stage stopped early on SIGTERM/SIGUSR1 after checkpointing. The SLURM
+# task exits with it so the job is requeued (nemo-run's retry, or RequeueExit=75) and resumes.
+EXIT_REQUEUE = 75
+StageOutcome = Literal["done", "stopped"]
+
+
+# ================================================================ stage configs and resources
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportConfig:
+    """The campaign's export stage: ``winnow convert megatron-to-hf`` of one run's checkpoints."""
+
+    checkpoint: str = option(help="a run's checkpoint directory (its `latest`) or one step_* directory")
+    out: str = option(help="the Hugging Face folder to create (replaced atomically on a rerun)")
+    tokenizer: str | None = option(None, help="tokenizer folder to copy (null: found next to the checkpoint)")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", help="weights dtype of the export")
+    verify: bool = option(True, help="compare the export's logits with the checkpoint's before publishing it")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutServers:
+    """SGLang servers on nodes of their own, next to the trainer nodes of the same job."""
+
+    nodes: int = option(ge=1, help="nodes running SGLang servers (after the trainer nodes of the allocation)")
+    servers_per_node: int = option(1, ge=1, help="servers per rollout node (each uses gpus_per_node / this GPUs)")
+    tensor_parallel: int = option(1, ge=1, help="SGLang --tp-size of each server")
+    port: int = option(30000, ge=1024, le=65000, help="port of a node's first server; the next ones count up")
+    extra_args: list[str] = option(default_factory=list, help="more `sglang.launch_server` arguments")
+    startup_timeout_s: float = option(1800.0, gt=0, help="how long the trainer waits for every server's /health")
+
+
+@dataclass(kw_only=True, slots=True)
+class Resources:
+    """What one stage runs on. Trainer ranks: ``nodes × ranks_per_node`` processes under torchrun."""
+
+    nodes: int = option(1, ge=1, help="trainer nodes")
+    ranks_per_node: int = option(1, ge=1, help="processes per trainer node (one per GPU on GPU nodes)")
+    gpus_per_node: int = option(0, ge=0, help="GPUs requested per node (0: a CPU stage)")
+    rollout: RolloutServers | None = option(None, help="SGLang servers for an rl stage (null: the local engine)")
+    time_limit: str | None = option(None, help="SLURM time limit of the stage's job (null: the profile's)")
+    requeues: int = option(0, ge=0, help="times a job that exits with a failure or a checkpointed stop is requeued")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def total_nodes(self) -> int:
+        return self.nodes + (self.rollout.nodes if self.rollout else 0)
+
+
+# kind → config class; kinds with more than one rank or rollout servers are listed apart.
+STAGE_CONFIGS: dict[str, type] = {
+    "bootstrap": BootstrapConfig,
+    "curate": CurateConfig,
+    "train-estimator": TrainEstimatorConfig,
+    "rl": RLConfig,
+    "evaluate": EvaluateConfig,
+    "export": ExportConfig,
+}
+MULTI_RANK_KINDS = ("bootstrap", "rl")
+
+
+@dataclass(kw_only=True, slots=True)
+class Stage:
+    name: str
+    kind: str
+    config: Any
+    depends_on: tuple[str, ...] = ()
+    resources: Resources = dataclasses.field(default_factory=Resources)
+
+    def __post_init__(self) -> None:
+        if self.kind not in STAGE_CONFIGS:
+            raise ConfigError(f"stages.{self.name}.kind: {self.kind!r} is not one of {sorted(STAGE_CONFIGS)}")
+        if not isinstance(self.config, STAGE_CONFIGS[self.kind]):
+            raise ConfigError(f"stages.{self.name}.config: a {self.kind} stage takes a "
+                              f"{STAGE_CONFIGS[self.kind].__name__}, got {type(self.config).__name__}")
+        if self.resources.num_ranks > 1 and self.kind not in MULTI_RANK_KINDS:
+            raise ConfigError(f"stages.{self.name}.resources: a {self.kind} stage runs on one rank "
+                              f"(got {self.resources.num_ranks}); only {', '.join(MULTI_RANK_KINDS)} run on more")
+        if self.resources.rollout is not None and self.kind != "rl":
+            raise ConfigError(f"stages.{self.name}.resources.rollout: only rl stages use rollout servers")
+        if self.resources.rollout is not None and not self.config.policy:
+            raise ConfigError(f"stages.{self.name}.config.policy: SGLang servers need a Hugging Face policy "
+                              "folder to serve (the bootstrap policy is a winnow checkpoint)")
+
+
+@dataclass(kw_only=True, slots=True)
+class CampaignPlan:
+    name: str
+    output_dir: Path
+    stages: list[Stage]
+
+    def __post_init__(self) -> None:
+        self.output_dir = Path(self.output_dir)
+        names = [stage.name for stage in self.stages]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ConfigError(f"stages: {duplicates[0]!r} is named twice")
+        for stage in self.stages:
+            missing = [dep for dep in stage.depends_on if dep not in names]
+            if missing:
+                raise ConfigError(f"stages.{stage.name}.depends_on: no stage named {missing[0]!r}")
+        self.order()  # refuses cycles
+
+    def stage(self, name: str) -> Stage:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise ConfigError(f"no stage named {name!r} in campaign {self.name!r} (stages: "
+                          f"{', '.join(s.name for s in self.stages)})")
+
+    def order(self) -> list[Stage]:
+        """Stages in dependency order; among ready stages, the order they were listed in."""
+        done: list[str] = []
+        remaining = list(self.stages)
+        while remaining:
+            ready = [s for s in remaining if all(dep in done for dep in s.depends_on)]
+            if not ready:
+                raise ConfigError(f"stages: dependency cycle among {', '.join(s.name for s in remaining)}")
+            done.append(ready[0].name)
+            remaining.remove(ready[0])
+        return [self.stage(name) for name in done]
+
+    def dependents(self, name: str) -> list[str]:
+        """Every stage that depends on ``name``, directly or through others."""
+        found: list[str] = []
+        frontier = [name]
+        while frontier:
+            current = frontier.pop()
+            for stage in self.stages:
+                if current in stage.depends_on and stage.name not in found:
+                    found.append(stage.name)
+                    frontier.append(stage.name)
+        return found
+
+    # ------------------------------------------------------------ campaign.json
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "output_dir": str(self.output_dir), "stages": [
+            {"name": s.name, "kind": s.kind, "depends_on": list(s.depends_on),
+             "resources": configlib.to_dict(s.resources), "config": configlib.to_dict(s.config)}
+            for s in self.stages]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CampaignPlan:
+        stages = []
+        for entry in data["stages"]:
+            kind = entry["kind"]
+            if kind not in STAGE_CONFIGS:
+                raise ConfigError(f"stages.{entry['name']}.kind: {kind!r} is not one of {sorted(STAGE_CONFIGS)}")
+            stages.append(Stage(
+                name=entry["name"], kind=kind, depends_on=tuple(entry["depends_on"]),
+                resources=configlib.from_dict(Resources, entry["resources"], path=f"stages.{entry['name']}.resources"),
+                config=configlib.from_dict(STAGE_CONFIGS[kind], entry["config"], path=f"stages.{entry['name']}.config"),
+            ))
+        return cls(name=data["name"], output_dir=Path(data["output_dir"]), stages=stages)
+
+    def save(self) -> Path:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        path = self.output_dir / PLAN_FILE
+        _write_json_atomic(path, self.to_dict())
+        return path
+
+    @classmethod
+    def load(cls, output_dir: str | Path) -> CampaignPlan:
+        path = Path(output_dir) / PLAN_FILE
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no campaign plan here (launch the campaign first)") from None
+
+    def with_overrides(self, overrides: list[str]) -> CampaignPlan:
+        """``<stage>.<dotted option>=value`` overrides, e.g. ``rl-grpo.steps=5``, validated per stage."""
+        by_stage: dict[str, list[str]] = {}
+        for text in overrides:
+            name, sep, rest = text.partition(".")
+            if not sep:
+                raise ConfigError(f"override {text!r}: expected <stage>.<option>=value")
+            self.stage(name)
+            by_stage.setdefault(name, []).append(rest)
+        stages = [dataclasses.replace(s, config=configlib.load(type(s.config), base=s.config,
+                                                               overrides=by_stage.get(s.name, [])))
+                  for s in self.stages]
+        return CampaignPlan(name=self.name, output_dir=self.output_dir, stages=stages)
+
+
+def _write_json_atomic(path: Path, payload: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+# ================================================================ the status file
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+class CampaignStatus:
+    """``status.json``: one record per stage, updated under an exclusive lock.
+
+    Stages of one campaign may run at once on different nodes and write their own
+    record; every update is read-modify-write under ``flock`` on ``status.lock`` and
+    replaces the file atomically, so readers never see half a file.
+    """
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.directory = Path(output_dir)
+        self.path = self.directory / STATUS_FILE
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / "status.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def read(self) -> dict[str, dict[str, Any]]:
+        if not self.path.is_file():
+            return {}
+        return json.loads(self.path.read_text())["stages"]
+
+    def state(self, name: str) -> str:
+        return self.read().get(name, {}).get("state", "pending")
+
+    def update(self, name: str, state: str, **fields: Any) -> dict[str, Any]:
+        assert state in STATES, state
+        with self._locked():
+            stages = self.read()
+            record = stages.setdefault(name, {"attempts": 0})
+            if state == "running":
+                record.update(started=_now(), finished=None, error=None, attempts=record["attempts"] + 1)
+            elif state in ("done", "failed"):
+                record["finished"] = _now()
+            record.update(state=state, **fields)
+            _write_json_atomic(self.path, {"stages": stages})
+            return record
+
+    def initialize(self, plan: CampaignPlan) -> None:
+        """Records for new stages; a stage left ``running`` by a dead launcher stays as it was."""
+        with self._locked():
+            stages = self.read()
+            for stage in plan.stages:
+                stages.setdefault(stage.name, {"state": "pending", "attempts": 0})
+            _write_json_atomic(self.path, {"stages": stages})
+
+    def format(self, plan: CampaignPlan) -> str:
+        stages = self.read()
+        lines = [f"{'stage':<22} {'state':<8} {'attempts':>8}  finished"]
+        for stage in plan.order():
+            record = stages.get(stage.name, {})
+            lines.append(f"{stage.name:<22} {record.get('state', 'pending'):<8} {record.get('attempts', 0):>8}  "
+                         f"{record.get('finished') or ''}")
+        return "\n".join(lines)
+
+
+# ================================================================ running one stage
+
+
+def _run_bootstrap(cfg: BootstrapConfig, *, context, out) -> StageOutcome:
+    from pipeline.stages.bootstrap import run_bootstrap
+
+    result = run_bootstrap(cfg, context=context)
+    out(f"base policy {'reused' if result.cached else 'trained'}: {result.directory}")
+    return "done"
+
+
+def _run_curate(cfg: CurateConfig, *, context, out) -> StageOutcome:
+    from pipeline.stages.curate import run_curate
+
+    run_curate(cfg, context=context, out=out)
+    return "done"
+
+
+def _run_train_estimator(cfg: TrainEstimatorConfig, *, context, out) -> StageOutcome:  # noqa: ARG001 - no megatron
+    from pipeline.stages.train_estimator import run_train_estimator
+
+    run_train_estimator(cfg, out=out)
+    return "done"
+
+
+def rl_finished(cfg: RLConfig) -> bool:
+    """The run checkpointed its last step (the loop always saves the final one)."""
+    from pipeline.trainer.checkpoint import CheckpointManager
+
+    steps = CheckpointManager(cfg.checkpoint.directory, keep_last=1).list_steps()
+    return bool(steps) and steps[-1] >= cfg.steps
+
+
+def _run_rl(cfg: RLConfig, *, context, out) -> StageOutcome:
+    from pipeline.stages.rl import run_rl
+
+    last = run_rl(cfg, context=context)
+    out("  ".join(f"{key}={last[key]:.4g}" for key in ("reward_mean", "eval/pass@1") if key in last))
+    # run_rl returns normally after SIGTERM/SIGUSR1 too, with a checkpoint at the step it stopped at.
+    return "done" if rl_finished(cfg) else "stopped"
+
+
+def _run_evaluate(cfg: EvaluateConfig, *, context, out) -> StageOutcome:
+    from pipeline.stages.evaluate import run_evaluate
+
+    run_evaluate(cfg, context=context, out=out)
+    return "done"
+
+
+def _run_export(cfg: ExportConfig, *, context, out) -> StageOutcome:  # noqa: ARG001 - reuses the process's megatron
+    from pipeline.checkpoint.tool import megatron_to_hf
+
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    # overwrite: a rerun after a crash between publishing and recording `done` replaces the folder atomically.
+    summary = megatron_to_hf(checkpoint=cfg.checkpoint, out=cfg.out, tokenizer=cfg.tokenizer, dtype=cfg.dtype,
+                             verify=cfg.verify, overwrite=True)
+    out(summary.format())
+    return "done"
+
+
+STAGE_RUNNERS: dict[str, Callable[..., StageOutcome]] = {
+    "bootstrap": _run_bootstrap,
+    "curate": _run_curate,
+    "train-estimator": _run_train_estimator,
+    "rl": _run_rl,
+    "evaluate": _run_evaluate,
+    "export": _run_export,
+}
+assert set(STAGE_RUNNERS) == set(STAGE_CONFIGS)
+
+
+def run_stage(stage: Stage, *, context=None, out: Callable[[str], Any] = print) -> StageOutcome:
+    """Run one stage in this process: ``done``, or ``stopped`` when it checkpointed on a signal."""
+    return STAGE_RUNNERS[stage.kind](stage.config, context=context, out=out)
+
+
+# ================================================================ the in-process runner
+
+
+@dataclass(frozen=True, slots=True)
+class CampaignResult:
+    states: dict[str, str]  # stage name → final state this launch left it in
+    skipped: tuple[str, ...]  # done before this launch
+    blocked: tuple[str, ...]  # not run: a stage they depend on failed
+
+    @property
+    def ok(self) -> bool:
+        return all(state == "done" for state in self.states.values())
+
+
+def run_campaign_inprocess(plan: CampaignPlan, *, context=None, out: Callable[[str], Any] = print,
+                           runner: Callable[..., StageOutcome] = run_stage) -> CampaignResult:
+    """Run every stage not yet done, in dependency order, in this process.
+
+    One ``ParallelContext`` (``context``, or a one-rank one created here) serves every
+    stage. A failed stage is recorded with its error and blocks its dependents; stages
+    that do not depend on it still run. ``runner`` is the stage runner (tests pass fakes).
+    """
+    status = CampaignStatus(plan.output_dir)
+    plan.save()
+    status.initialize(plan)
+    previous = status.read()
+    skipped = tuple(s.name for s in plan.stages if previous[s.name]["state"] == "done")
+    if context is None and any(previous[s.name]["state"] != "done" for s in plan.stages):
+        context = _one_rank_context(plan)
+    states: dict[str, str] = {name: "done" for name in skipped}
+    blocked: list[str] = []
+    for number, stage in enumerate(plan.order(), start=1):
+        prefix = f"[{number}/{len(plan.stages)}] {stage.name}"
+        if stage.name in skipped:
+            out(f"{prefix}: done before, skipped")
+            continue
+        failed_deps = [dep for dep in stage.depends_on if states.get(dep) != "done"]
+        if failed_deps:
+            out(f"{prefix}: not run, {failed_deps[0]} did not finish")
+            states[stage.name] = "pending"
+            blocked.append(stage.name)
+            continue
+        out(f"{prefix} ({stage.kind})")
+        status.update(stage.name, "running", job_id=None)
+        started = time.perf_counter()
+        try:
+            outcome = runner(stage, context=context, out=out)
+        except Exception as error:  # noqa: BLE001 - recorded, then dependents are stopped
+            status.update(stage.name, "failed", error=f"{type(error).__name__}: {error}")
+            states[stage.name] = "failed"
+            out(f"{prefix}: FAILED: {type(error).__name__}: {error}")
+            continue
+        if outcome == "stopped":
+            # A signal asked the process to stop; the stage resumes from its checkpoint next time.
+            status.update(stage.name, "pending", error="stopped by a signal after a checkpoint")
+            states[stage.name] = "pending"
+            out(f"{prefix}: stopped after a checkpoint; relaunch to resume")
+            break
+        status.update(stage.name, "done", seconds=round(time.perf_counter() - started, 1))
+        states[stage.name] = "done"
+    for stage in plan.stages:  # stages after a stop
+        if stage.name not in states:
+            states[stage.name] = "pending"
+    return CampaignResult(states=states, skipped=skipped, blocked=tuple(blocked))
+
+
+def _one_rank_context(plan: CampaignPlan):
+    from pipeline.parallel.context import ParallelContext
+    from pipeline.stages.bootstrap import _single_process_rendezvous
+
+    seeds = [s.config.seed for s in plan.stages if isinstance(s.config, BootstrapConfig)]
+    return ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=seeds[0] if seeds else 0,
+                                      **_single_process_rendezvous())
+
+
+# ================================================================ wiring a campaign from one root
+
+
+def wire_campaign(
+    *,
+    name: str,
+    output_dir: str | Path,
+    curate: CurateConfig,
+    estimator: TrainEstimatorConfig,
+    rl_variants: dict[str, RLConfig],
+    evaluate: EvaluateConfig,
+    bootstrap: BootstrapConfig | None = None,
+    export_dtype: str = "auto",
+    resources: dict[str, Resources] | None = None,
+) -> CampaignPlan:
+    """The standard campaign DAG with every path between stages derived from ``output_dir``.
+
+    The base policy is the bootstrap's cache entry (``<cache_dir>/<config hash>``, known
+    before it is trained) when ``bootstrap`` is given, else every variant's ``policy``
+    (a Hugging Face folder; all variants must share it). Stage names: ``bootstrap``,
+    ``curate``, ``train-estimator``, ``rl-<variant>``, ``evaluate-<variant>``,
+    ``export-<variant>``. ``resources`` maps stage names to their resources.
+    """
+    from pipeline.stages.bootstrap import config_hash
+    from pipeline.stages.curate import KEPT_FILE
+    from pipeline.stages.train_estimator import ESTIMATOR_DIR
+
+    if not rl_variants:
+        raise ConfigError("rl_variants: a campaign needs at least one rl variant")
+    root = Path(output_dir)
+    resources = resources or {}
+    stages: list[Stage] = []
+
+    def add(stage_name: str, kind: str, config: Any, depends_on: tuple[str, ...]) -> None:
+        stages.append(Stage(name=stage_name, kind=kind, config=config, depends_on=depends_on,
+                            resources=resources.get(stage_name, Resources())))
+
+    if bootstrap is not None:
+        policy_dir = Path(bootstrap.cache_dir) / config_hash(bootstrap)
+        policy, tokenizer = str(policy_dir), str(policy_dir / "tokenizer")
+        add("bootstrap", "bootstrap", bootstrap, ())
+        base_deps: tuple[str, ...] = ("bootstrap",)
+    else:
+        starts = {(cfg.policy, cfg.tokenizer) for cfg in rl_variants.values()}
+        if len(starts) != 1 or next(iter(starts))[0] is None:
+            raise ConfigError(f"rl_variants: without a bootstrap every variant starts from the same policy "
+                              f"(policy, tokenizer); got {sorted(str(start) for start in starts)}")
+        policy, tokenizer_or_none = next(iter(starts))
+        tokenizer = tokenizer_or_none or policy
+        base_deps = ()
+
+    curation_dir = root / "curate"
+    add("curate", "curate", dataclasses.replace(curate, policy=policy, tokenizer=None if bootstrap else tokenizer,
+                                                output_dir=str(curation_dir)), base_deps)
+    estimator_dir = root / "estimator"
+    add("train-estimator", "train-estimator",
+        dataclasses.replace(estimator, curation_dir=str(curation_dir), output_dir=str(estimator_dir)), ("curate",))
+    for variant, rl in rl_variants.items():
+        run_dir = root / "rl" / variant
+        algorithm = rl.algorithm
+        uses_estimator = algorithm.prompt_filter == "depo"
+        if uses_estimator:
+            algorithm = dataclasses.replace(algorithm, depo=dataclasses.replace(
+                algorithm.depo, estimator_dir=str(estimator_dir / ESTIMATOR_DIR)))
+        rl = dataclasses.replace(
+            rl, algorithm=algorithm, curation_dir=str(curation_dir),
+            data=dataclasses.replace(rl.data, train=[str(curation_dir / KEPT_FILE)]),
+            checkpoint=dataclasses.replace(rl.checkpoint, directory=str(run_dir / "checkpoints")),
+            logging=dataclasses.replace(rl.logging, output_dir=str(run_dir)),
+            bootstrap=bootstrap if bootstrap is not None else rl.bootstrap,
+        )
+        add(f"rl-{variant}", "rl", rl, ("curate", "train-estimator") if uses_estimator else ("curate",))
+        add(f"evaluate-{variant}", "evaluate",
+            dataclasses.replace(evaluate, policy=str(run_dir / "checkpoints"), tokenizer=tokenizer,
+                                output_dir=str(root / "eval" / variant)), (f"rl-{variant}",))
+        add(f"export-{variant}", "export",
+            ExportConfig(checkpoint=str(run_dir / "checkpoints"), out=str(root / "export" / variant),
+                         tokenizer=tokenizer, dtype=export_dtype), (f"rl-{variant}",))
+    unknown = sorted(set(resources) - {s.name for s in stages})
+    if unknown:
+        raise ConfigError(f"resources: no stage named {unknown[0]!r}")
+    return CampaignPlan(name=name, output_dir=root, stages=stages)

@@ -1,0 +1,363 @@
+"""The NeMo-Run runner: a campaign's stages as tasks on a local machine or a SLURM cluster.
+
+Every stage runs the same script (:func:`stage_script`): ``python -m pipeline.launch.task
+node`` on each trainer node, with an explicit ``torch.distributed.run`` command for a
+multi-rank stage, and ``... task serve`` on the rollout nodes of an rl stage whose
+SGLang servers share its allocation (one job: trainer nodes first, rollout nodes after
+them; ``--kill-on-bad-exit`` ends the job when either side dies). The node role records
+the stage's status in the campaign's ``status.json``, so the state survives the launcher.
+
+Local: one stage at a time, in dependency order (nemo-run's LocalExecutor runs a
+downstream task even after its upstream one failed, so the order is kept here), with the
+interpreter that runs the launcher. SLURM: every pending stage is submitted at once with
+``--dependency=afterok`` on its parents and ``--kill-on-invalid-dep=yes``, so SLURM
+itself cancels the dependents of a failed stage, also after the launcher has gone;
+``--signal=USR1@<profile.signal_s>`` plus ``--requeue`` on rl stages, which checkpoint on
+the signal, exit 75 and resume from ``latest`` when the job restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import nemo_run as run
+
+from pipeline.configlib import ConfigError
+from pipeline.launch.campaign import CampaignPlan, CampaignResult, CampaignStatus, Stage
+from pipeline.launch.slurm_profiles import SlurmProfile, parse_slurm_time
+
+REPO = Path(__file__).resolve().parents[2]
+MASTER_PORT = 29500
+# torchrun handles SIGTERM, SIGINT, SIGHUP and SIGQUIT by default; SIGUSR1 (SLURM's warning
+# before the time limit) would kill it while its ranks checkpoint. Handled, it is forwarded.
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SLURM_FINAL_STATES = frozenset({
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
+})
+
+
+@dataclass(kw_only=True, slots=True)
+class ExecutorOverrides:
+    """``--executor.<field>`` on the command line: applied on top of the profile and recipe."""
+
+    nodes: int | None = None  # trainer nodes of every multi-rank stage
+    ranks_per_node: int | None = None  # of every multi-rank stage
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    container_image: str | None = None
+
+
+def apply_executor_overrides(plan: CampaignPlan, overrides: ExecutorOverrides) -> CampaignPlan:
+    """Trainer nodes and ranks per node of the multi-rank stages (bootstrap, rl) replaced as asked."""
+    from pipeline.launch.campaign import MULTI_RANK_KINDS
+
+    stages = []
+    for stage in plan.stages:
+        resources = stage.resources
+        if stage.kind in MULTI_RANK_KINDS:
+            resources = dataclasses.replace(
+                resources,
+                nodes=overrides.nodes if overrides.nodes is not None else resources.nodes,
+                ranks_per_node=overrides.ranks_per_node if overrides.ranks_per_node is not None
+                else resources.ranks_per_node,
+            )
+        if overrides.time is not None:
+            resources = dataclasses.replace(resources, time_limit=overrides.time)
+        stages.append(dataclasses.replace(stage, resources=resources))
+    return CampaignPlan(name=plan.name, output_dir=plan.output_dir, stages=stages)
+
+
+def apply_profile_overrides(profile: SlurmProfile, overrides: ExecutorOverrides) -> SlurmProfile:
+    changes = {name: value for name, value in (("partition", overrides.partition), ("account", overrides.account),
+                                               ("container_image", overrides.container_image)) if value is not None}
+    return dataclasses.replace(profile, **changes)
+
+
+# ================================================================ the script every stage runs
+
+
+def stage_script(plan: CampaignPlan, stage: Stage, *, python: str, workdir: str | Path) -> str:
+    """The bash a stage's task runs on every node of its job (see the module docstring)."""
+    resources = stage.resources
+    quote = shlex.quote
+    task = [python, "-m", "pipeline.launch.task"]
+    where = ["--campaign-dir", str(plan.output_dir), "--stage", stage.name]
+    lines = [
+        "set -eo pipefail",
+        f"cd {quote(str(workdir))}",
+        f"export PYTHONPATH={quote(str(workdir))}${{PYTHONPATH:+:$PYTHONPATH}}",
+    ]
+    if resources.rollout is not None:
+        lines += [
+            f"# nodes {resources.nodes}..{resources.total_nodes - 1} of the job serve rollouts (SGLang)",
+            f'if [ "${{SLURM_NODEID:-0}}" -ge {resources.nodes} ]; then',
+            "  exec " + " ".join(quote(arg) for arg in [*task, "serve", *where]),
+            "fi",
+        ]
+    node = " ".join(quote(arg) for arg in [*task, "node", *where])
+    if resources.num_ranks == 1:
+        lines.append(f"exec {node}")
+        return "\n".join(lines) + "\n"
+    if resources.nodes == 1:
+        rendezvous = ["--standalone", "--nnodes", "1"]
+    else:
+        # Static rendezvous on the job's first node: node ranks are SLURM's node ids.
+        rendezvous = ["--nnodes", str(resources.nodes), "--node-rank", '"${SLURM_NODEID:-0}"',
+                      "--master-addr", '"$WINNOW_HEAD_NODE"', "--master-port", str(MASTER_PORT)]
+    torchrun = [
+        quote(python), "-m", "torch.distributed.run", *rendezvous,
+        "--nproc-per-node", str(resources.ranks_per_node), "--signals-to-handle", TORCHRUN_SIGNALS,
+        *(quote(arg) for arg in [*task[1:], "worker", *where]),
+    ]
+    lines.append(f"exec {node} -- \\\n  " + " ".join(torchrun))
+    return "\n".join(lines) + "\n"
+
+
+# The sbatch script's own setup (nemo-run computes `nodes` and `head_node` before it): every
+# node's task learns the job's host list (rollout server addresses) and the rendezvous host.
+SLURM_SETUP_LINES = 'export WINNOW_NODES="${nodes[*]}"\nexport WINNOW_HEAD_NODE="$head_node"'
+
+
+# ================================================================ executors
+
+
+def local_executor():
+    return run.LocalExecutor()
+
+
+def slurm_executor(stage: Stage, *, profile: SlurmProfile, plan_name: str, experiments_dir: Path):
+    """A SlurmExecutor for one stage's job, bounded by what the profile's nodes offer.
+
+    A local tunnel submits the scripts nemo-run writes under ``experiments_dir`` as they
+    are (nothing is copied: the launcher and the nodes share that filesystem).
+    """
+    resources = stage.resources
+    if resources.total_nodes > profile.nodes:
+        raise ConfigError(f"stages.{stage.name}.resources: {resources.total_nodes} nodes; the cluster profile "
+                          f"allows {profile.nodes} per job")
+    if resources.gpus_per_node > profile.gpus_per_node:
+        raise ConfigError(f"stages.{stage.name}.resources.gpus_per_node: {resources.gpus_per_node}; the cluster "
+                          f"profile's nodes have {profile.gpus_per_node}")
+    if resources.ranks_per_node > max(profile.cpus_per_node, profile.gpus_per_node):
+        raise ConfigError(f"stages.{stage.name}.resources.ranks_per_node: {resources.ranks_per_node} exceeds the "
+                          f"profile's {profile.cpus_per_node} CPUs and {profile.gpus_per_node} GPUs per node")
+    time_limit = resources.time_limit or profile.time_limit
+    if stage.kind == "rl" and profile.signal_s >= parse_slurm_time(time_limit, field="time_limit"):
+        raise ConfigError(f"stages.{stage.name}: the profile's signal_s ({profile.signal_s} s) is not below the "
+                          f"job's time limit {time_limit!r}")
+    additional: dict[str, Any] = {"kill_on_invalid_dep": "yes"}
+    if resources.requeues:
+        additional["requeue"] = True
+    if profile.gpus_per_node == 0:
+        # CPU clusters: each trainer rank gets its cores (the one task per node runs them all).
+        additional["cpus_per_task"] = resources.ranks_per_node
+    executor = run.SlurmExecutor(
+        account=profile.account or "",
+        partition=profile.partition,
+        job_name_prefix=f"winnow-{plan_name}-",
+        time=time_limit,
+        nodes=resources.total_nodes,
+        ntasks_per_node=1,  # the node role starts the node's ranks itself
+        gpus_per_node=resources.gpus_per_node or None,
+        container_image=profile.container_image,
+        container_mounts=list(profile.container_mounts),
+        env_vars=dict(profile.env),
+        srun_args=list(profile.srun_args) or None,
+        signal=f"USR1@{profile.signal_s}" if stage.kind == "rl" else None,
+        additional_parameters=additional,
+        setup_lines=SLURM_SETUP_LINES,
+        retries=resources.requeues,
+        tunnel=CampaignTunnel(job_dir=str(experiments_dir / "experiments"))
+        if profile.tunnel.kind == "local" else run.SSHTunnel(
+            host=profile.tunnel.host, user=profile.tunnel.user, job_dir=profile.tunnel.job_dir,
+            identity=profile.tunnel.identity, **({"port": profile.tunnel.port} if profile.tunnel.port else {})),
+        packager=run.Packager(),  # the code is already on the cluster: profile.workdir
+    )
+    if profile.account is None:
+        executor.account = None  # no --account flag; the job name prefix above stands in for it
+    return executor
+
+
+class CampaignTunnel(run.LocalTunnel):
+    """nemo-run's LocalTunnel, with its job directory set once per experiment.
+
+    ``LocalTunnel._set_job_dir`` appends ``<title>/<experiment id>`` every time an executor
+    is assigned, and ``Experiment.run`` assigns again (it dry-runs first) and shares one
+    tunnel between tasks: the sbatch scripts would name directories that do not exist.
+    """
+
+    def _set_job_dir(self, experiment_id: str) -> None:
+        title = experiment_id.rpartition("_")[0]
+        if not self.job_dir.endswith(os.path.join(title, experiment_id)):
+            self.job_dir = os.path.join(self.job_dir, title, experiment_id)
+
+
+# ================================================================ launching
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchOptions:
+    executor: Literal["local", "slurm"] = "local"
+    profile: SlurmProfile | None = None
+    dryrun: bool = False
+    wait: bool = True  # SLURM: follow the jobs until every stage is final
+    poll_s: float = 10.0
+    experiments_dir: Path | None = None  # nemo-run's experiment folders (null: <campaign>/nemo_run)
+
+
+def _python_and_workdir(options: LaunchOptions) -> tuple[str, str]:
+    if options.executor == "local":
+        # nemo-run's LocalExecutor would run the `python` on PATH; the launcher's own interpreter is meant.
+        return sys.executable, str(REPO)
+    assert options.profile is not None
+    if options.profile.workdir is None and options.profile.tunnel.kind == "ssh":
+        raise ConfigError("workdir: required in a profile with an ssh tunnel (winnow's checkout on the cluster)")
+    return options.profile.python, options.profile.workdir or str(REPO)
+
+
+def _task(plan: CampaignPlan, stage: Stage, options: LaunchOptions):
+    python, workdir = _python_and_workdir(options)
+    return run.Script(inline=stage_script(plan, stage, python=python, workdir=workdir))
+
+
+def launch_campaign(plan: CampaignPlan, *, options: LaunchOptions, out: Callable[[str], Any] = print
+                    ) -> CampaignResult | Path:
+    """Launch every stage not done yet; the result, or with ``dryrun`` the experiment folder.
+
+    Returns when every stage is final (local, or SLURM with ``wait``) or after submitting
+    (SLURM without ``wait``: the jobs go on, ``status.json`` follows them).
+    """
+    status = CampaignStatus(plan.output_dir)
+    plan.save()
+    status.initialize(plan)
+    states = {name: record["state"] for name, record in status.read().items()}
+    pending = [stage for stage in plan.order() if states.get(stage.name) != "done"]
+    skipped = tuple(stage.name for stage in plan.stages if states.get(stage.name) == "done")
+    for name in skipped:
+        out(f"{name}: done before, skipped")
+    experiments_dir = options.experiments_dir or plan.output_dir / "nemo_run"
+    if options.executor == "local":
+        return _launch_local(plan, pending, skipped=skipped, options=options, experiments_dir=experiments_dir, out=out)
+    assert options.profile is not None, "a SLURM launch needs a cluster profile"
+    return _launch_slurm(plan, pending, skipped=skipped, options=options, experiments_dir=experiments_dir, out=out)
+
+
+def _launch_local(plan, pending: list[Stage], *, skipped, options, experiments_dir: Path, out) -> CampaignResult | Path:
+    status = CampaignStatus(plan.output_dir)
+    if options.dryrun:
+        with run.Experiment(plan.name, base_dir=str(experiments_dir), log_level="WARN") as exp:
+            for stage in pending:
+                exp.add(_task(plan, stage, options), executor=local_executor(), name=stage.name)
+            exp.dryrun(log=False, delete_exp_dir=False)
+            return Path(exp._exp_dir)
+    states = dict.fromkeys(skipped, "done")
+    blocked = []
+    for stage in pending:
+        unfinished = [dep for dep in stage.depends_on if states.get(dep) != "done"]
+        if unfinished:
+            out(f"{stage.name}: not run, {unfinished[0]} did not finish")
+            states[stage.name] = "pending"
+            blocked.append(stage.name)
+            continue
+        out(f"{stage.name}: running ({stage.kind}, {stage.resources.num_ranks} rank(s))")
+        with run.Experiment(f"{plan.name}-{stage.name}", base_dir=str(experiments_dir), log_level="WARN") as exp:
+            exp.add(_task(plan, stage, options), executor=local_executor(), name=stage.name)
+            exp.run(sequential=True, detach=False, tail_logs=False)
+            task_state = str(exp.status(return_dict=True)[stage.name]["status"])
+        record = status.read().get(stage.name, {})
+        state = record.get("state", "pending")
+        stopped = state == "pending" and "stopped by a signal" in (record.get("error") or "")
+        if state in ("running", "pending") and not stopped:
+            # The task died before it could record its end (killed, interpreter crash, bad arguments).
+            status.update(stage.name, "failed", error=f"task ended {task_state}; see its log under {experiments_dir}")
+            state = "failed"
+        states[stage.name] = state
+        out(f"{stage.name}: {state}")
+        if stopped:
+            break  # a signal asked this machine to stop; relaunch to resume
+    for stage in pending:
+        states.setdefault(stage.name, "pending")
+    return CampaignResult(states=states, skipped=skipped, blocked=tuple(blocked))
+
+
+def _launch_slurm(plan, pending: list[Stage], *, skipped, options, experiments_dir: Path, out) -> CampaignResult | Path:
+    profile = options.profile
+    if profile.slurm_conf is not None:
+        os.environ["SLURM_CONF"] = profile.slurm_conf  # sbatch, scontrol and scancel run from this process
+    handles: dict[str, Any] = {}
+    with run.Experiment(plan.name, base_dir=str(experiments_dir), log_level="WARN") as exp:
+        pending_names = {stage.name for stage in pending}
+        for stage in pending:
+            # Done parents need no dependency: their outputs are already there.
+            parents = [handles[dep] for dep in stage.depends_on if dep in pending_names]
+            handles[stage.name] = exp.add(_task(plan, stage, options), name=stage.name, dependencies=parents,
+                                          executor=slurm_executor(stage, profile=profile, plan_name=plan.name,
+                                                                  experiments_dir=experiments_dir))
+        if options.dryrun:
+            exp.dryrun(log=False, delete_exp_dir=False)
+            return Path(exp._exp_dir)
+        exp.run(detach=True)
+        job_ids = {job.id: _job_id(job.handle) for job in exp.jobs}
+    status = CampaignStatus(plan.output_dir)
+    for name, job_id in job_ids.items():
+        out(f"{name}: submitted as SLURM job {job_id}")
+        status.update(name, "pending", job_id=str(job_id))
+    if not options.wait:
+        return CampaignResult(states={s.name: status.state(s.name) for s in plan.stages}, skipped=skipped, blocked=())
+    return follow_slurm_jobs(plan, job_ids, skipped=skipped, poll_s=options.poll_s, out=out)
+
+
+def _job_id(handle: str) -> int:
+    # nemo-run's handles end in the SLURM job id: "<scheme>://<experiment>/<id>".
+    return int(handle.rstrip("/").rsplit("/", 1)[-1])
+
+
+def slurm_job_state(job_id: int) -> tuple[str, str]:
+    """(JobState, Reason) from ``scontrol`` (no accounting database needed)."""
+    result = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL, check=False, timeout=60)
+    fields = dict(token.partition("=")[::2] for token in result.stdout.split())
+    return fields.get("JobState", "UNKNOWN"), fields.get("Reason", "")
+
+
+def follow_slurm_jobs(plan: CampaignPlan, job_ids: dict[str, int], *, skipped: tuple[str, ...], poll_s: float,
+                      out: Callable[[str], Any] = print,
+                      job_state: Callable[[int], tuple[str, str]] = slurm_job_state) -> CampaignResult:
+    """Poll until every submitted job is final; reconcile ``status.json`` with what SLURM says.
+
+    A job that ended without its task recording ``done`` (killed, timed out, cancelled
+    because a parent failed) is recorded ``failed``, or ``pending`` when it never ran.
+    """
+    status = CampaignStatus(plan.output_dir)
+    final: dict[str, str] = {}
+    while len(final) < len(job_ids):
+        for name, job_id in job_ids.items():
+            if name in final:
+                continue
+            state, reason = job_state(job_id)
+            if state not in SLURM_FINAL_STATES:
+                continue
+            recorded = status.state(name)
+            if state == "COMPLETED" and recorded == "done":
+                final[name] = "done"
+            elif recorded == "pending" and state == "CANCELLED" and "Dependency" in reason:
+                final[name] = "pending"  # never ran: a parent failed
+            else:
+                final[name] = "failed"
+                if recorded != "failed":
+                    status.update(name, "failed", error=f"SLURM job {job_id} ended {state} ({reason})")
+            out(f"{name}: {final[name]} (SLURM job {job_id} {state})")
+        if len(final) < len(job_ids):
+            time.sleep(poll_s)
+    blocked = tuple(name for name, state in final.items() if state == "pending")
+    return CampaignResult(states={**dict.fromkeys(skipped, "done"), **final}, skipped=skipped, blocked=blocked)

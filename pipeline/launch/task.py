@@ -1,0 +1,249 @@
+"""What runs on a node for one campaign stage: ``python -m pipeline.launch.task ROLE ...``.
+
+Every stage's job (local or SLURM) runs the script :func:`pipeline.launch.nemo.stage_script`
+writes, which calls one of three roles:
+
+* ``node``: one per trainer node. On the first node it records the stage's status
+  (running → done/failed, with the SLURM job id and restart count), waits for the
+  rollout servers and hands their URLs to the trainer; then it runs the stage in
+  this process (one rank) or the torchrun command given after ``--`` (more ranks).
+  A stage stopped by SIGTERM/SIGUSR1 after a checkpoint exits 75, so the job is
+  requeued and resumes from ``latest``.
+* ``worker``: one torchrun rank; runs the stage with torchrun's rendezvous.
+* ``serve``: one per rollout node; runs its SGLang servers until the first trainer
+  node marks the attempt finished.
+
+The plan (``campaign.json``) and status file live in the campaign directory on a
+filesystem every node shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipeline.launch.campaign import EXIT_REQUEUE, CampaignPlan, CampaignStatus, Stage, rl_finished, run_stage
+
+SERVERS_ENV = "WINNOW_ROLLOUT_SERVERS"  # comma-separated URLs, from the first trainer node to its ranks
+NODES_ENV = "WINNOW_NODES"  # the job's host names, in SLURM's order (set by the sbatch script)
+ROLLOUT_DIR = "rollout"
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def _attempt_token() -> str:
+    """Names one attempt of one job: a requeued job is a new attempt with the same id."""
+    return f"{os.environ.get('SLURM_JOB_ID', 'local')}:{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
+def _done_marker(plan: CampaignPlan, stage: Stage) -> Path:
+    return plan.output_dir / ROLLOUT_DIR / f"{stage.name}.done"
+
+
+# ================================================================ rollout servers
+
+
+def rollout_urls(stage: Stage, *, hosts: Sequence[str]) -> list[str]:
+    """URLs of the SGLang servers: rollout nodes come after the trainer nodes in the job's node list."""
+    rollout = stage.resources.rollout
+    assert rollout is not None
+    first = stage.resources.nodes
+    rollout_hosts = list(hosts[first : first + rollout.nodes])
+    if len(rollout_hosts) != rollout.nodes:
+        raise RuntimeError(f"{NODES_ENV}: {len(hosts)} hosts; stage {stage.name} needs {stage.resources.nodes} "
+                           f"trainer and {rollout.nodes} rollout nodes")
+    return [f"http://{host}:{rollout.port + index}" for host in rollout_hosts
+            for index in range(rollout.servers_per_node)]
+
+
+def sglang_server_commands(stage: Stage, *, python: str = sys.executable) -> list[list[str]]:
+    """One ``sglang.launch_server`` command per server of a rollout node, on disjoint GPUs."""
+    rollout = stage.resources.rollout
+    assert rollout is not None
+    cfg = stage.config
+    return [
+        [python, "-m", "sglang.launch_server", "--model-path", cfg.policy,
+         "--tokenizer-path", cfg.tokenizer or cfg.policy, "--host", "0.0.0.0", "--port", str(rollout.port + index),
+         "--tp-size", str(rollout.tensor_parallel), "--base-gpu-id", str(index * rollout.tensor_parallel),
+         *rollout.extra_args]
+        for index in range(rollout.servers_per_node)
+    ]
+
+
+def wait_for_servers(urls: Sequence[str], *, timeout_s: float, poll_s: float = 5.0) -> None:
+    """Block until every server answers ``GET /health`` with 200; RuntimeError naming the laggards."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(urls)
+    while waiting:
+        for url in list(waiting):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=poll_s) as response:
+                    if response.status == 200:
+                        waiting.remove(url)
+            except (urllib.error.URLError, OSError):
+                pass
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"rollout servers not healthy after {timeout_s:.0f} s: {', '.join(waiting)}")
+        if waiting:
+            time.sleep(poll_s)
+
+
+def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, poll_s: float = 5.0) -> int:
+    """Run the servers until ``done_marker`` holds ``token``; a server that exits first ends the role.
+
+    Exits with the first dead server's code (non-zero: srun's --kill-on-bad-exit then ends
+    the trainer too, and the job fails or is requeued), else 0.
+    """
+    processes = [subprocess.Popen(list(command)) for command in commands]
+    try:
+        while True:
+            for process in processes:
+                code = process.poll()
+                if code is not None:
+                    print(f"rollout server {process.args[:6]} exited with {code}", file=sys.stderr)
+                    return code or 1
+            if done_marker.is_file() and done_marker.read_text().strip() == token:
+                return 0
+            time.sleep(poll_s)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+# ================================================================ trainer roles
+
+
+def with_servers(stage: Stage, servers: Sequence[str]) -> Stage:
+    """The rl stage generating through ``servers`` (SGLang) instead of the local engine."""
+    if not servers:
+        return stage
+    cfg = stage.config
+    # Weight syncs go through a folder the servers read: the run directory is on the shared filesystem.
+    weights_dir = cfg.rollout.weights_dir or str(Path(cfg.logging.output_dir) / "sglang_weights")
+    rollout = dataclasses.replace(cfg.rollout, engine="sglang", servers=list(servers), weights_dir=weights_dir)
+    return dataclasses.replace(stage, config=dataclasses.replace(cfg, rollout=rollout))
+
+
+def _servers_from_env() -> list[str]:
+    text = os.environ.get(SERVERS_ENV, "")
+    return [url for url in text.split(",") if url]
+
+
+class _Signals:
+    """Remembers SIGTERM/SIGINT/SIGUSR1 and passes them on to the child.
+
+    Under SLURM the step's signal reaches every process of the step, the child included,
+    so it is only remembered; run by hand, the child hears it only from here.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.child: subprocess.Popen | None = None
+
+    def __enter__(self) -> _Signals:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in FORWARDED_SIGNALS}
+        return self
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.received = signum
+        if self.child is not None and "SLURM_JOB_ID" not in os.environ and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def run_node(plan: CampaignPlan, stage: Stage, *, launcher: Sequence[str]) -> int:
+    """The ``node`` role; ``launcher`` is the torchrun command for a multi-rank stage (else empty)."""
+    node_id = int(os.environ.get("SLURM_NODEID", "0"))
+    first = node_id == 0
+    status = CampaignStatus(plan.output_dir)
+    token = _attempt_token()
+    if first:
+        status.update(stage.name, "running", job_id=os.environ.get("SLURM_JOB_ID"),
+                      restarts=int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+    code, error = 1, "did not finish"
+    with _Signals() as signals:
+        try:
+            if stage.resources.rollout is not None:
+                urls = rollout_urls(stage, hosts=os.environ.get(NODES_ENV, "").split())
+                print(f"waiting for rollout servers: {', '.join(urls)}", flush=True)
+                wait_for_servers(urls, timeout_s=stage.resources.rollout.startup_timeout_s)
+                os.environ[SERVERS_ENV] = ",".join(urls)
+            if launcher:
+                signals.child = subprocess.Popen(list(launcher))
+                code = signals.child.wait()
+                error = f"trainer exited with {code}"
+            else:
+                outcome = run_stage(with_servers(stage, _servers_from_env()))
+                code = 0 if outcome == "done" else EXIT_REQUEUE
+        except Exception as caught:  # noqa: BLE001 - recorded in the status file, then re-raised
+            error = f"{type(caught).__name__}: {caught}"
+            if first:
+                status.update(stage.name, "failed", error=error)
+                _mark_attempt_done(plan, stage, token)
+            raise
+    if stage.kind == "rl" and (code in (0, EXIT_REQUEUE) or signals.received is not None):
+        # A signal stops the loop after a checkpoint; torchrun, signalled too, exits non-zero meanwhile.
+        code = 0 if rl_finished(stage.config) else EXIT_REQUEUE
+    if first:
+        if code == 0:
+            status.update(stage.name, "done")
+        elif code == EXIT_REQUEUE:
+            status.update(stage.name, "pending", error="stopped by a signal after a checkpoint; requeued")
+        else:
+            status.update(stage.name, "failed", error=error)
+        _mark_attempt_done(plan, stage, token)
+    return code
+
+
+def _mark_attempt_done(plan: CampaignPlan, stage: Stage, token: str) -> None:
+    if stage.resources.rollout is None:
+        return
+    marker = _done_marker(plan, stage)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(token + "\n")
+
+
+def run_worker(stage: Stage) -> int:
+    """One torchrun rank: the stage under torchrun's RANK/WORLD_SIZE/MASTER_ADDR."""
+    run_stage(with_servers(stage, _servers_from_env()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.launch.task", description=__doc__.split("\n\n")[0])
+    parser.add_argument("role", choices=["node", "worker", "serve"])
+    parser.add_argument("--campaign-dir", required=True, help="the campaign's output directory (campaign.json)")
+    parser.add_argument("--stage", required=True, help="the stage's name in the plan")
+    parser.epilog = "node role: `... -- COMMAND` runs COMMAND (torchrun) to start this node's ranks"
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    launcher = argv[split + 1 :]
+    plan = CampaignPlan.load(args.campaign_dir)
+    stage = plan.stage(args.stage)
+    if args.role == "worker":
+        return run_worker(stage)
+    if args.role == "serve":
+        return serve(sglang_server_commands(stage), done_marker=_done_marker(plan, stage), token=_attempt_token())
+    return run_node(plan, stage, launcher=launcher)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Campaign recipes: whole campaigns (bootstrap or HF policy → curate → estimator → rl variants →
+evaluate and export each), with their resources, built from the stage presets.
+
+``cpu_campaign`` runs anywhere (``tiny=True`` in a few minutes, for CI); the H100 presets
+start from a Hugging Face model folder, train on ``nodes`` 8-GPU trainer nodes with SGLang
+servers on rollout nodes of the same job, and compare the chosen RL config with a plain
+GRPO baseline. Every path between stages comes from ``output_dir``
+(:func:`pipeline.launch.campaign.wire_campaign`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from pipeline.config import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    OptimConfig,
+    RewardConfig,
+    RLConfig,
+    TrainerConfig,
+)
+from pipeline.launch.campaign import CampaignPlan, Resources, RolloutServers, wire_campaign
+from recipes.cpu import default_cpu, grpo_cpu
+from recipes.stages import (
+    bootstrap_cpu,
+    curate_cpu,
+    curate_h100,
+    estimator_cpu,
+    estimator_h100,
+    evaluate_cpu,
+    evaluate_h100,
+)
+
+# ================================================================ CPU
+
+
+def _tiny_rl(cfg: RLConfig) -> RLConfig:
+    """A CPU preset shrunk to seconds per step: 4 prompts × 4 samples, 16 new tokens, small held-out set."""
+    return dataclasses.replace(
+        cfg, prompts_per_step=4, max_new_tokens=16, eval_set="arith?difficulty=3&size=40", eval_samples=1,
+        reward=RewardConfig(num_workers=1), logging=dataclasses.replace(cfg.logging, progress=False, tensorboard=False),
+    )
+
+
+def cpu_campaign(*, output_dir: str | Path = "runs/campaigns/cpu", tiny: bool = False,
+                 steps: int | None = None) -> CampaignPlan:
+    """The CPU campaign: the demo's bootstrap policy, the combined default method vs GRPO.
+
+    ``tiny``: every stage at toy size (a 40-step bootstrap cached under ``output_dir``,
+    48 curated prompts, 2 RL steps per variant); the whole campaign takes minutes on 2 cores.
+    """
+    num_steps = steps if steps is not None else (2 if tiny else 100)
+    group_size = 4 if tiny else 8
+    variants = {"default": default_cpu(steps=num_steps, group_size=group_size),
+                "grpo": grpo_cpu(steps=num_steps, group_size=group_size)}
+    if tiny:
+        variants = {name: _tiny_rl(cfg) for name, cfg in variants.items()}
+    return wire_campaign(
+        name="cpu-tiny" if tiny else "cpu", output_dir=output_dir,
+        bootstrap=bootstrap_cpu(tiny=tiny, cache_dir=str(Path(output_dir) / "cache" / "bootstrap") if tiny
+                                else "cache/bootstrap"),
+        curate=curate_cpu(tiny=tiny), estimator=estimator_cpu(tiny=tiny), rl_variants=variants,
+        evaluate=evaluate_cpu(tiny=tiny),
+    )
+
+
+# ================================================================ H100
+
+
+def h100_rl(*, model_dir: str) -> RLConfig:
+    """A plain GRPO config for a 7-8B policy: the base the paper presets replace (``rl=`` argument)."""
+    return RLConfig(
+        policy=model_dir, data=DataConfig(template="chat"), eval_set="math500", eval_samples=4,
+        prompts_per_step=128, group_size=8, max_new_tokens=4096, temperature=1.0, steps=500,
+        optim=OptimConfig(lr=1e-6, total_steps=500, warmup_steps=10, weight_decay=0.01),
+        trainer=TrainerConfig(precision="bf16", micro_batch_tokens=32768),
+        reward=RewardConfig(num_workers=32),
+        checkpoint=CheckpointConfig(every_steps=20),
+        logging=LoggingConfig(progress=False),
+    )
+
+
+def h100_campaign(*, name: str, model_dir: str, output_dir: str | Path, rl: RLConfig | None, nodes: int,
+                  rollout: RolloutServers, time_limit: str = "04:00:00") -> CampaignPlan:
+    """A campaign on 8×H100 nodes: ``rl`` (default: :func:`h100_rl`) against plain GRPO.
+
+    The rl jobs take ``nodes`` trainer nodes (8 ranks each) plus ``rollout.nodes`` nodes of
+    SGLang servers; they get SIGUSR1 before their time limit, checkpoint and are requeued
+    (up to 50 times: a 500-step run spans many 4-hour jobs).
+    """
+    chosen = rl or h100_rl(model_dir=model_dir)
+    chosen = dataclasses.replace(chosen, policy=chosen.policy or model_dir)
+    baseline = dataclasses.replace(chosen, algorithm=AlgorithmConfig())
+    trainer = Resources(nodes=nodes, ranks_per_node=8, gpus_per_node=8, rollout=rollout, time_limit=time_limit,
+                        requeues=50)
+    one_gpu = Resources(gpus_per_node=1, time_limit=time_limit, requeues=3)
+    return wire_campaign(
+        name=name, output_dir=output_dir, curate=curate_h100(), estimator=estimator_h100(),
+        rl_variants={"default": chosen, "grpo": baseline}, evaluate=evaluate_h100(), export_dtype="bf16",
+        resources={"curate": one_gpu, "train-estimator": one_gpu, "rl-default": trainer, "rl-grpo": trainer,
+                   "evaluate-default": one_gpu, "evaluate-grpo": one_gpu,
+                   "export-default": Resources(time_limit="01:00:00"), "export-grpo": Resources(time_limit="01:00:00")},
+    )
+
+
+def qwen25_math_7b(*, output_dir: str | Path, model_dir: str = "/models/Qwen2.5-Math-7B",
+                   rl: RLConfig | None = None) -> CampaignPlan:
+    """Qwen2.5-Math-7B: 2 trainer nodes; 1 rollout node of 8 single-GPU SGLang servers (7B fits one H100)."""
+    return h100_campaign(name="qwen25-math-7b", model_dir=model_dir, output_dir=output_dir, rl=rl, nodes=2,
+                         rollout=RolloutServers(nodes=1, servers_per_node=8, tensor_parallel=1))
+
+
+def qwen25_math_1p5b(*, output_dir: str | Path, model_dir: str = "/models/Qwen2.5-Math-1.5B",
+                     rl: RLConfig | None = None) -> CampaignPlan:
+    """Qwen2.5-Math-1.5B: 1 trainer node; 1 rollout node of 8 single-GPU servers."""
+    return h100_campaign(name="qwen25-math-1.5b", model_dir=model_dir, output_dir=output_dir, rl=rl, nodes=1,
+                         rollout=RolloutServers(nodes=1, servers_per_node=8, tensor_parallel=1))
+
+
+def llama31_8b(*, output_dir: str | Path, model_dir: str = "/models/Llama-3.1-8B-Instruct",
+               rl: RLConfig | None = None) -> CampaignPlan:
+    """Llama-3.1-8B: 2 trainer nodes; 2 rollout nodes of 4 two-GPU (TP=2) servers for its 128K-vocab KV cache."""
+    return h100_campaign(name="llama31-8b", model_dir=model_dir, output_dir=output_dir, rl=rl, nodes=2,
+                         rollout=RolloutServers(nodes=2, servers_per_node=4, tensor_parallel=2))
+
+
+def cpu_tiny_campaign(*, output_dir: str | Path = "runs/campaigns/cpu-tiny") -> CampaignPlan:
+    return cpu_campaign(output_dir=output_dir, tiny=True)
+
+
+# `winnow launch campaign --recipe NAME`: every function takes output_dir (the H100 ones also model_dir).
+CAMPAIGNS = {
+    "cpu": cpu_campaign,
+    "cpu-tiny": cpu_tiny_campaign,
+    "qwen25-math-7b": qwen25_math_7b,
+    "qwen25-math-1.5b": qwen25_math_1p5b,
+    "llama31-8b": llama31_8b,
+}

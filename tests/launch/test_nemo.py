@@ -1,0 +1,172 @@
+"""Golden tests of the rendered sbatch and task scripts for the H100 presets (nemo-run dryrun),
+the local task scripts, executor bounds, and how SLURM job states reconcile with status.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from pipeline.configlib import ConfigError
+from pipeline.launch.campaign import CampaignStatus
+from pipeline.launch.nemo import (
+    ExecutorOverrides,
+    LaunchOptions,
+    TORCHRUN_SIGNALS,
+    apply_executor_overrides,
+    follow_slurm_jobs,
+    launch_campaign,
+    stage_script,
+)
+from pipeline.launch.slurm_profiles import TunnelProfile, load_profile
+from recipes.campaigns import cpu_campaign, llama31_8b, qwen25_math_1p5b, qwen25_math_7b
+
+
+@pytest.fixture(autouse=True)
+def _no_stdin(monkeypatch):
+    # nemo-run's shell calls read stdin; under pytest it is captured.
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", open("/dev/null"))
+
+
+def _h100(tmp_path: Path):
+    profile = load_profile("h100-example")
+    return dataclasses.replace(profile, tunnel=TunnelProfile(kind="local", job_dir=str(tmp_path / "jobs")))
+
+
+def _dryrun(plan, profile, tmp_path) -> dict[str, tuple[str, str]]:
+    exp_dir = launch_campaign(plan, options=LaunchOptions(executor="slurm", profile=profile, dryrun=True,
+                                                          experiments_dir=tmp_path / "exp"), out=lambda _: None)
+    return {stage.name: ((exp_dir / f"{stage.name}_sbatch.sh").read_text(),
+                         (exp_dir / stage.name / "scripts" / f"{stage.name}.sh").read_text())
+            for stage in plan.stages if (exp_dir / f"{stage.name}_sbatch.sh").exists()}
+
+
+def _flags(sbatch: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?$", sbatch, flags=re.M))
+
+
+PRESETS = [  # recipe, trainer nodes, rollout nodes, servers per node, server TP
+    (qwen25_math_7b, 2, 1, 8, 1),
+    (qwen25_math_1p5b, 1, 1, 8, 1),
+    (llama31_8b, 2, 2, 4, 2),
+]
+
+
+@pytest.mark.parametrize("recipe, trainer_nodes, rollout_nodes, servers_per_node, server_tp", PRESETS)
+def test_h100_rl_jobs(tmp_path, recipe, trainer_nodes, rollout_nodes, servers_per_node, server_tp):
+    root = tmp_path / "campaign"
+    plan = recipe(output_dir=root, model_dir="/models/m")
+    scripts = _dryrun(plan, _h100(tmp_path), tmp_path)
+    sbatch, task = scripts["rl-default"]
+    flags = _flags(sbatch)
+    assert flags["nodes"] == str(trainer_nodes + rollout_nodes)
+    assert flags["ntasks-per-node"] == "1"  # one node role per node; it starts the node's 8 ranks
+    assert flags["gpus-per-node"] == "8"
+    assert (flags["account"], flags["partition"], flags["time"]) == ("llm_rl", "batch", "04:00:00")
+    assert flags["signal"] == "USR1@300" and "requeue" in flags and flags["kill-on-invalid-dep"] == "yes"
+    assert "export TORCHX_MAX_RETRIES=50" in sbatch  # requeues after a checkpointed stop
+    # pyxis: image, the profile's mounts, its extra flags
+    srun = next(line for line in sbatch.splitlines() if line.startswith("srun --output"))
+    assert "--container-image /lustre/images/winnow-sglang.sqsh" in srun
+    assert re.search(r"--container-mounts /lustre:/lustre,/models:/models:ro,\S+:/nemo_run", srun)
+    assert "--container-writable --no-container-mount-home" in srun and "--kill-on-bad-exit=1" in srun
+    assert 'export WINNOW_NODES="${nodes[*]}"' in sbatch and "export HF_HUB_OFFLINE=1" in sbatch
+    # rollout nodes come after the trainer nodes and serve; the trainer nodes run torchrun
+    assert f'if [ "${{SLURM_NODEID:-0}}" -ge {trainer_nodes} ]; then' in task
+    assert f"python -m pipeline.launch.task serve --campaign-dir {root} --stage rl-default" in task
+    torchrun = task.split("python -m torch.distributed.run ", 1)[1].split(" -m pipeline.launch.task worker")[0]
+    expected = (f'--nnodes {trainer_nodes} --node-rank "${{SLURM_NODEID:-0}}" --master-addr "$WINNOW_HEAD_NODE" '
+                f"--master-port 29500 --nproc-per-node 8 --signals-to-handle {TORCHRUN_SIGNALS}")
+    if trainer_nodes == 1:
+        expected = f"--standalone --nnodes 1 --nproc-per-node 8 --signals-to-handle {TORCHRUN_SIGNALS}"
+    assert torchrun == expected
+    assert "cd /lustre/winnow" in task
+    rollout = plan.stage("rl-default").resources.rollout
+    assert (rollout.nodes, rollout.servers_per_node, rollout.tensor_parallel) == (
+        rollout_nodes, servers_per_node, server_tp)
+
+
+def test_h100_single_gpu_stages_and_dependencies(tmp_path):
+    plan = qwen25_math_7b(output_dir=tmp_path / "campaign")
+    scripts = _dryrun(plan, _h100(tmp_path), tmp_path)
+    curate_flags = _flags(scripts["curate"][0])
+    assert (curate_flags["nodes"], curate_flags["gpus-per-node"]) == ("1", "1")
+    assert "signal" not in curate_flags  # only rl checkpoints on SIGUSR1; it would kill the others
+    assert "gpus-per-node" not in _flags(scripts["export-default"][0])
+    assert "torch.distributed.run" not in scripts["evaluate-default"][1]
+    assert scripts["evaluate-default"][1].rstrip().endswith(
+        f"node --campaign-dir {tmp_path / 'campaign'} --stage evaluate-default")
+
+
+def test_slurm_dependencies_are_afterok_on_pending_parents(tmp_path, monkeypatch):
+    import nemo_run as run
+
+    added = {}
+    original = run.Experiment.add
+
+    def spy(self, task, *args, name, dependencies=None, **kwargs):
+        added[name] = [self.jobs[[job.id for job in self.jobs].index(dep)].id for dep in dependencies or []]
+        return original(self, task, *args, name=name, dependencies=dependencies, **kwargs)
+
+    monkeypatch.setattr(run.Experiment, "add", spy)
+    plan = qwen25_math_7b(output_dir=tmp_path / "campaign")
+    CampaignStatus(plan.output_dir).update("curate", "done")  # done before: no dependency on it
+    _dryrun(plan, _h100(tmp_path), tmp_path)
+    assert "curate" not in added
+    assert added["train-estimator"] == [] and added["rl-default"] == []
+    assert added["evaluate-default"] == ["rl-default"] and added["export-grpo"] == ["rl-grpo"]
+
+
+def test_executor_overrides(tmp_path):
+    plan = apply_executor_overrides(qwen25_math_7b(output_dir=tmp_path),
+                                    ExecutorOverrides(nodes=4, time="08:00:00"))
+    assert plan.stage("rl-default").resources.nodes == 4
+    assert plan.stage("curate").resources.nodes == 1  # one-rank stages keep one node
+    assert plan.stage("curate").resources.time_limit == "08:00:00"
+
+
+def test_profile_bounds_are_enforced(tmp_path):
+    profile = dataclasses.replace(_h100(tmp_path), nodes=2)
+    with pytest.raises(ConfigError, match="3 nodes; the cluster profile allows 2 per job"):
+        _dryrun(qwen25_math_7b(output_dir=tmp_path / "c"), profile, tmp_path)
+    profile = dataclasses.replace(_h100(tmp_path), signal_s=4 * 3600)
+    with pytest.raises(ConfigError, match="signal_s"):
+        _dryrun(qwen25_math_7b(output_dir=tmp_path / "c"), profile, tmp_path)
+
+
+def test_local_scripts(tmp_path):
+    plan = cpu_campaign(output_dir=tmp_path, tiny=True)
+    single = stage_script(plan, plan.stage("curate"), python="/venv/python", workdir="/repo")
+    assert single.splitlines()[-1] == f"exec /venv/python -m pipeline.launch.task node --campaign-dir {tmp_path} --stage curate"
+    two = dataclasses.replace(plan.stage("rl-grpo"), resources=dataclasses.replace(
+        plan.stage("rl-grpo").resources, ranks_per_node=2))
+    text = stage_script(plan, two, python="/venv/python", workdir="/repo")
+    assert (f"-- \\\n  /venv/python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2 "
+            f"--signals-to-handle {TORCHRUN_SIGNALS} -m pipeline.launch.task worker") in text
+
+
+def test_following_slurm_jobs_reconciles_status(tmp_path):
+    plan = cpu_campaign(output_dir=tmp_path, tiny=True)
+    status = CampaignStatus(tmp_path)
+    status.initialize(plan)
+    status.update("bootstrap", "done")  # the task recorded its end
+    status.update("curate", "running")  # the task was killed before it could
+    ids = {"bootstrap": 1, "curate": 2, "train-estimator": 3}
+    polls = iter([{1: ("RUNNING", "None"), 2: ("RUNNING", "None"), 3: ("PENDING", "Dependency")},
+                  {1: ("COMPLETED", "None"), 2: ("TIMEOUT", "TimeLimit"),
+                   3: ("CANCELLED", "DependencyNeverSatisfied")}])
+    current = {}
+
+    def job_state(job_id):
+        if job_id == 1:
+            current.update(next(polls))
+        return current[job_id]
+
+    result = follow_slurm_jobs(plan, ids, skipped=(), poll_s=0, out=lambda _: None, job_state=job_state)
+    assert result.states == {"bootstrap": "done", "curate": "failed", "train-estimator": "pending"}
+    assert result.blocked == ("train-estimator",)
+    assert "TIMEOUT" in status.read()["curate"]["error"]

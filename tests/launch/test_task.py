@@ -1,0 +1,127 @@
+"""The node/worker/serve roles: status records, requeue exit code, rollout server discovery and lifetime."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import sys
+import threading
+from pathlib import Path
+
+import fiddle as fdl
+import pytest
+
+from pipeline.launch import task
+from pipeline.launch.campaign import EXIT_REQUEUE, CampaignPlan, CampaignStatus, Resources, RolloutServers, Stage
+from recipes.campaigns import cpu_campaign, llama31_8b
+from recipes.stages import rl_task, stage_task
+
+
+def _saved_plan(tmp_path: Path) -> CampaignPlan:
+    plan = cpu_campaign(output_dir=tmp_path, tiny=True)
+    plan.save()
+    return plan
+
+
+def test_node_role_records_done(tmp_path, monkeypatch):
+    _saved_plan(tmp_path)
+    monkeypatch.setattr(task, "run_stage", lambda stage: "done")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    assert task.main(["node", "--campaign-dir", str(tmp_path), "--stage", "curate"]) == 0
+    record = CampaignStatus(tmp_path).read()["curate"]
+    assert (record["state"], record["job_id"], record["attempts"]) == ("done", "41", 1)
+
+
+def test_node_role_records_failure_and_reraises(tmp_path, monkeypatch):
+    _saved_plan(tmp_path)
+
+    def broken(stage):
+        raise ValueError("no prompts")
+
+    monkeypatch.setattr(task, "run_stage", broken)
+    with pytest.raises(ValueError):
+        task.main(["node", "--campaign-dir", str(tmp_path), "--stage", "curate"])
+    assert CampaignStatus(tmp_path).read()["curate"]["error"] == "ValueError: no prompts"
+
+
+def test_rl_stopped_before_its_last_step_exits_for_requeue(tmp_path, monkeypatch):
+    _saved_plan(tmp_path)
+    monkeypatch.setattr(task, "run_stage", lambda stage: "stopped")
+    assert task.main(["node", "--campaign-dir", str(tmp_path), "--stage", "rl-grpo"]) == EXIT_REQUEUE
+    assert CampaignStatus(tmp_path).state("rl-grpo") == "pending"
+
+
+def test_node_role_runs_the_launcher_and_reports_its_failure(tmp_path):
+    _saved_plan(tmp_path)
+    code = task.main(["node", "--campaign-dir", str(tmp_path), "--stage", "curate", "--",
+                      sys.executable, "-c", "raise SystemExit(3)"])
+    assert code == 3
+    assert CampaignStatus(tmp_path).read()["curate"]["error"] == "trainer exited with 3"
+
+
+def test_rl_launcher_exit_is_judged_by_the_checkpoint(tmp_path):
+    plan = _saved_plan(tmp_path)
+    steps = plan.stage("rl-grpo").config.steps
+    ckpt = Path(plan.stage("rl-grpo").config.checkpoint.directory)
+    (ckpt / "step_00000001").mkdir(parents=True)
+    args = ["node", "--campaign-dir", str(tmp_path), "--stage", "rl-grpo", "--", sys.executable, "-c", "pass"]
+    assert task.main(args) == EXIT_REQUEUE  # ranks exited 0 one step short: a signal stopped them
+    (ckpt / f"step_{steps:08d}").mkdir()
+    assert task.main(args) == 0
+    assert CampaignStatus(tmp_path).state("rl-grpo") == "done"
+
+
+def test_rollout_urls_follow_the_trainer_nodes():
+    stage = llama31_8b(output_dir="/x").stage("rl-default")
+    hosts = ["t0", "t1", "r0", "r1"]
+    assert task.rollout_urls(stage, hosts=hosts) == [
+        f"http://{host}:{30000 + i}" for host in ("r0", "r1") for i in range(4)]
+    with pytest.raises(RuntimeError, match="needs 2 trainer and 2 rollout nodes"):
+        task.rollout_urls(stage, hosts=hosts[:3])
+    commands = task.sglang_server_commands(stage, python="py")
+    assert [c[c.index("--base-gpu-id") + 1] for c in commands] == ["0", "2", "4", "6"]
+    assert all(c[c.index("--tp-size") + 1] == "2" and c[c.index("--model-path") + 1] == stage.config.policy
+               for c in commands)
+
+
+def test_with_servers_switches_the_engine(tmp_path):
+    stage = cpu_campaign(output_dir=tmp_path, tiny=True).stage("rl-grpo")
+    assert task.with_servers(stage, []) is stage
+    served = task.with_servers(stage, ["http://r0:30000"])
+    assert (served.config.rollout.engine, served.config.rollout.servers) == ("sglang", ["http://r0:30000"])
+    assert served.config.rollout.weights_dir == str(tmp_path / "rl" / "grpo" / "sglang_weights")
+
+
+def test_wait_for_servers_sees_health(tmp_path):
+    (tmp_path / "health").write_text("ok")
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path))  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        task.wait_for_servers([f"http://127.0.0.1:{server.server_port}"], timeout_s=10, poll_s=0.1)
+        with pytest.raises(RuntimeError, match="not healthy after 0 s: http://127.0.0.1:9"):
+            task.wait_for_servers(["http://127.0.0.1:9"], timeout_s=0.01, poll_s=0.1)
+    finally:
+        server.shutdown()
+
+
+def test_serve_stops_on_this_attempts_marker_only(tmp_path):
+    marker = tmp_path / "rl.done"
+    marker.write_text("7:0\n")  # a previous attempt's marker
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    threading.Timer(1.0, lambda: marker.write_text("7:1\n")).start()
+    assert task.serve([sleeper], done_marker=marker, token="7:1", poll_s=0.1) == 0
+    assert task.serve([[sys.executable, "-c", "raise SystemExit(4)"]], done_marker=marker, token="8:0",
+                      poll_s=0.1) == 4
+
+
+def test_stage_tasks_build_back_to_the_typed_stage(tmp_path):
+    plan = llama31_8b(output_dir=tmp_path)
+    for stage in plan.stages:
+        built = fdl.build(stage_task(stage))
+        assert built.keywords["stage"] == stage
+    rl = dataclasses.replace(plan.stage("rl-grpo").config, steps=3)
+    built = fdl.build(rl_task(rl, resources=Resources(nodes=2, ranks_per_node=8)))
+    assert built.keywords["stage"] == Stage(name="rl", kind="rl", config=rl,
+                                            resources=Resources(nodes=2, ranks_per_node=8))
+    assert isinstance(plan.stage("rl-grpo").resources.rollout, RolloutServers)
