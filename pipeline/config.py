@@ -510,28 +510,24 @@ class CurateConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DemoConfig:
-    """`winnow demo`: base policy, weight sync, pass@k on held-out sets, then a short RL run."""
+    """`winnow demo`: the CPU campaign (recipes.campaigns.cpu_campaign) in one process, then a results table."""
 
-    rl: RLConfig = option(
-        default_factory=lambda: RLConfig(
-            steps=30, optim=OptimConfig(lr=1e-4, total_steps=30),
-            checkpoint=CheckpointConfig(directory="runs/demo/rl/checkpoints", every_steps=30, resume="never"),
-            logging=LoggingConfig(output_dir="runs/demo/rl"),
-        ),
-        help="the short GRPO run at the end; rl.bootstrap is the base policy every step uses",
+    output_dir: str = option("runs/demo", help="campaign root: status.json, every stage's outputs, the final plot")
+    steps: int = option(100, ge=1, help="RL steps of each variant (the default method and the GRPO baseline)")
+    tiny: bool = option(False, help="toy sizes everywhere (tests): a 40-step bootstrap, 2-step RL, tiny evaluations")
+    benchmarks: list[str] = option(
+        default_factory=lambda: ["arith?difficulty=3&size=400", "arith?difficulty=4&size=400", "gsm8k", "math500"],
+        help="held-out sets each variant is evaluated on (their test split)",
     )
-    eval_sets: list[str] = option(
-        default_factory=lambda: [f"arith?difficulty={d}&size={s}" for d, s in ((1, 8), (2, 12), (3, 100), (4, 100), (5, 100))]
-        + ["gsm8k"],
-        help="held-out sets (their test split) to evaluate",
-    )
-    limit: int = option(100, ge=1, help="at most this many problems per set")
-    num_samples: int = option(8, ge=1, help="samples per problem (n of pass@k)")
-    ks: list[int] = option(default_factory=lambda: [1, 2, 4, 8], help="k values of pass@k")
-    temperature: float = option(1.0, gt=0.0, help="sampling temperature")
-    max_new_tokens: int = option(48, ge=1, help="generation length limit")
-    reward: RewardConfig = section(RewardConfig, help="grading pool")
-    seed: int = option(1234, help="sampling seed")
+    eval_limit: int = option(100, ge=1, help="at most this many problems per benchmark")
+    eval_samples: int = option(32, ge=1, help="samples per problem (n of the unbiased pass@k)")
+    ks: list[int] = option(default_factory=lambda: [1, 2, 4, 8, 16, 32], help="k values of pass@k")
+    question: str = option("What is 30 * 69?", help="asked of the exported model after reloading it with transformers")
+    max_new_tokens: int = option(48, ge=1, help="answer length limit for that question")
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.ks if not 1 <= k <= self.eval_samples]
+        _require(not bad, "ks", f"{bad} outside [1, eval_samples={self.eval_samples}]")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,122 +1,112 @@
-"""`winnow demo`: the furthest the campaign goes today, end to end on a CPU.
+"""`winnow demo`: the whole campaign on a CPU, then a results table.
+
+The campaign is ``recipes.campaigns.cpu_campaign`` run in this process
+(``pipeline.launch.campaign.run_campaign_inprocess``), the same plan that
+``winnow launch campaign --recipe cpu`` runs as separate jobs:
 
 1. bootstrap the base policy (tokenizer + supervised Megatron actor; cached by config hash);
-2. restore the actor from its checkpoint and sync its weights into the local rollout engine
-   through the Megatron→HF map (timed);
-3. sample n answers per held-out problem, grade them in the bounded pool, and report
-   unbiased pass@k per difficulty and on GSM8K (honestly near zero for a model this size);
-4. check train/rollout agreement: the actor's recomputed log-probs of the sampled tokens
-   against the engine's (mean and max |Δ|).
+2. curate: k samples per training prompt, keep those of useful difficulty;
+3. train the DEPO difficulty estimator on the curation's pass rates;
+4. RL twice from the same base and budget: the combined default (DEPO + Ada-Seq-BALANCE +
+   D³S + CW-GRPO + E3 temperature) and plain GRPO;
+5. evaluate both: unbiased pass@1…pass@32 on held-out synthetic sets, GSM8K and MATH-500
+   (reported honestly: a model this small scores ~0 there, and most of their problems
+   do not fit its context);
+6. export both to Hugging Face folders, reload the default one with ``transformers``
+   and let it answer a question.
 
-Curation, estimator training, RL and export join this command as their stages land.
+Stages already done are skipped on a rerun, so a second ``winnow demo`` only prints.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 
 from pipeline.config import DemoConfig
 
+VARIANTS = ("grpo", "default")  # baseline first: the table's differences are default − grpo
+
+
+def build_plan(cfg: DemoConfig):
+    from recipes.campaigns import cpu_campaign
+
+    plan = cpu_campaign(output_dir=cfg.output_dir, tiny=cfg.tiny, steps=cfg.steps)
+    overrides = []
+    for variant in VARIANTS:
+        overrides += [f"evaluate-{variant}.eval.benchmarks={json.dumps(cfg.benchmarks)}",
+                      f"evaluate-{variant}.eval.limit={cfg.eval_limit}",
+                      f"evaluate-{variant}.eval.num_samples={cfg.eval_samples}",
+                      f"evaluate-{variant}.eval.ks={json.dumps(cfg.ks)}"]
+    return plan.with_overrides(overrides)
+
 
 def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
-    from pipeline.data import load_prompts
-    from pipeline.eval.runner import sample_and_grade, score
-    from pipeline.models.spec import ModelSpec
-    from pipeline.models.tokenizer import load_tokenizer, prompt_token_ids
-    from pipeline.parallel.context import ParallelContext
-    from pipeline.rewards import GradingPool
-    from pipeline.rollout.local import LocalEngine
-    from pipeline.rollout.mismatch import logprob_mismatch
-    from pipeline.rl.rollouts import to_train_batch
-    from pipeline.rollout.types import GenerationRequest, SamplingParams
-    from pipeline.rollout.weight_sync import build_hf_model, sync_actor_to_engine
-    from pipeline.stages.bootstrap import TEMPLATE, _single_process_rendezvous, run_bootstrap
-    from pipeline.trainer.actor import Actor
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.eval.plots import plot_comparison
+    from pipeline.eval.report import compare, format_comparison, load_results
+    from pipeline.launch.campaign import run_campaign_inprocess
 
     started = time.perf_counter()
-    if context is None:
-        context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.rl.bootstrap.seed,
-                                             **_single_process_rendezvous())
-    out("[1/5] base policy (bootstrap)")
-    boot = run_bootstrap(cfg.rl.bootstrap, context=context)
-    summary = boot.summary
-    out(f"      {'reused' if boot.cached else 'trained'}: {summary['num_parameters']:,} parameters, "
-        f"final SFT loss {summary['final_loss']:.3f}  ({boot.directory})")
+    plan = build_plan(cfg)
+    out(f"campaign {plan.name}: {' → '.join(stage.name for stage in plan.order())}")
+    result = run_campaign_inprocess(plan, context=context, out=out)
+    if not result.ok:
+        failed = [name for name, state in result.states.items() if state != "done"]
+        raise RuntimeError(f"the campaign did not finish: {', '.join(failed)} (see {plan.output_dir}/status.json)")
 
-    out("[2/5] restore the Megatron actor and sync its weights into the local engine")
-    spec = ModelSpec(**summary["model_spec"])
-    actor = Actor(spec=spec, context=context, trainer=cfg.rl.bootstrap.trainer, optim=cfg.rl.bootstrap.optim, seed=cfg.rl.bootstrap.seed)
-    manager = CheckpointManager(boot.checkpoint_dir, keep_last=1, rank=context.rank, world_size=context.world_size)
-    checkpoint = manager.newest_valid()
-    if checkpoint is None:
-        raise FileNotFoundError(f"no valid checkpoint under {boot.checkpoint_dir}")
-    manager.load(checkpoint, actor=actor)
-    tokenizer = load_tokenizer(boot.tokenizer_dir)
-    engine = LocalEngine(build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, show_progress=False)
-    sync_started = time.perf_counter()
-    sync_actor_to_engine(actor, engine, version=1)
-    out(f"      weights v1 synced in {time.perf_counter() - sync_started:.3f} s")
-
-    out(f"[3/5] pass@k with n={cfg.num_samples}, T={cfg.temperature}, {cfg.max_new_tokens} new tokens")
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
-    table: dict[str, dict[str, float]] = {}
-    sampled: dict[str, object] = {}  # a few results per set, by prompt id (sets may share problems)
-    with GradingPool(**cfg.reward.pool_kwargs()) as pool:
-        for spec_text in cfg.eval_sets:
-            prompts, _ = load_prompts(spec_text, split="test", limit=cfg.limit)
-            prompts, num_too_long = _fitting(prompts, tokenizer, budget=spec.max_position_embeddings - cfg.max_new_tokens)
-            if not prompts:
-                out(f"      {spec_text}: all {num_too_long} problems are longer than the model's context; skipped")
-                continue
-            if num_too_long:
-                out(f"      {spec_text}: {num_too_long} problems longer than the model's context skipped")
-            results = sample_and_grade(engine=engine, tokenizer=tokenizer, prompts=prompts,
-                                       num_samples=cfg.num_samples, params=params, pool=pool, template=TEMPLATE)
-            table[spec_text] = score(results, cfg.ks)
-            sampled.update((r.prompt.id, r) for r in results[:4])
-    header = f"      {'set':<28} {'problems':>8} " + " ".join(f"{'pass@' + str(k):>8}" for k in cfg.ks)
-    out(header)
-    for name, row in table.items():
-        cells = " ".join(f"{row.get(f'pass@{k}', float('nan')):8.3f}" for k in cfg.ks)
-        out(f"      {name:<28} {int(row['num_problems']):>8} {cells}")
-
-    out("[4/5] train/rollout log-prob agreement on sampled tokens")
-    checked = list(sampled.values())
-    prompt_ids = [prompt_token_ids(tokenizer, r.prompt, template=TEMPLATE) for r in checked]
-    completions = engine.generate(
-        [GenerationRequest(prompt_id=r.prompt.id, prompt_token_ids=ids, num_samples=1) for r, ids in zip(checked, prompt_ids)],
-        params,
-    )
-    batch, engine_logprobs = to_train_batch(prompt_ids, completions, torch.arange(len(checked)),
-                                            pad_id=tokenizer.pad_token_id)
-    trainer_logprobs = actor.compute_logprobs(batch, temperature=cfg.temperature)
-    _, mismatch = logprob_mismatch(engine_logprobs, trainer_logprobs, mask=batch.response_mask)
-    out(f"      mean |Δ| = {float(mismatch['mean_abs_diff']):.2e}, max |Δ| = {float(mismatch['max_abs_diff']):.2e} "
-        f"over {int(mismatch['num_tokens'])} tokens")
-    out(f"[5/5] GRPO from the base policy: {cfg.rl.steps} steps of {cfg.rl.prompts_per_step} prompts × "
-        f"{cfg.rl.group_size} samples on {', '.join(cfg.rl.data.train)}")
-    from pipeline.metrics import read_metrics
-    from pipeline.stages.rl import run_rl
-
-    last = run_rl(cfg.rl, context=context)
-    before = read_metrics(f"{cfg.rl.logging.output_dir}/metrics.jsonl")[0]
-    out(f"      held-out sampled pass@1 on {cfg.rl.eval_set}: {before['eval/pass@1']:.3f} → {last['eval/pass@1']:.3f} "
-        f"({int(last['eval/num_problems'])} problems × {cfg.rl.eval_samples} samples)")
-    out(f"      tokens generated {last['ledger/tokens_generated']:,}, with gradient {last['ledger/tokens_with_gradient']:,}; "
-        f"plots in {cfg.rl.logging.output_dir}/plots")
+    root = Path(cfg.output_dir)
+    results = {variant: load_results(root / "eval" / variant / "results.json") for variant in VARIANTS}
+    runs = {variant: _rl_summary(plan.stage(f"rl-{variant}").config) for variant in VARIANTS}
+    out("")
+    out(f"## default (DEPO + Ada-Seq-BALANCE + D³S + CW-GRPO + E3) vs GRPO, {cfg.steps} RL steps each")
+    out("")
+    out(format_comparison(compare(results["grpo"], results["default"], seed=0), label_a="grpo",
+                          label_b="default").rstrip())
+    out("")
+    out("| run | rollout tokens | tokens with gradient | prompts filtered | RL wall time |")
+    out("|---|---:|---:|---:|---:|")
+    for variant, run in runs.items():
+        out(f"| {variant} | {run['tokens_generated']:,} | {run['tokens_with_gradient']:,} | "
+            f"{run['prompts_filtered']:,} | {run['seconds']:.0f} s |")
+    plot = plot_comparison({variant: results[variant] for variant in VARIANTS}, root / "pass_at_k.png")
+    export = root / "export" / "default"
+    answer = reload_and_answer(export, cfg.question, max_new_tokens=cfg.max_new_tokens)
+    out("")
+    out(f"exported Hugging Face model: {export}")
+    out(f"reloaded with transformers; {cfg.question!r} → {answer!r}")
+    out(f"plots: {plot}, {root}/rl/<variant>/plots/, {root}/curate/difficulty.png, "
+        f"{root}/estimator/calibration.png")
     out(f"done in {time.perf_counter() - started:.0f} s")
-    return {"pass_at_k": table, "mismatch": {k: float(v) for k, v in mismatch.items()},
-            "rl": {"pass@1_before": before["eval/pass@1"], "pass@1_after": last["eval/pass@1"]}}
+    return {"results": results, "runs": runs, "answer": answer, "plot": str(plot)}
 
 
-def _fitting(prompts, tokenizer, *, budget: int):
-    """Prompts whose encoding fits ``budget`` tokens, and how many did not."""
-    from pipeline.models.tokenizer import prompt_token_ids
-    from pipeline.stages.bootstrap import TEMPLATE
+def _rl_summary(cfg) -> dict:
+    from pipeline.metrics import read_metrics
 
-    kept = [p for p in prompts if len(prompt_token_ids(tokenizer, p, template=TEMPLATE)) <= budget]
-    return kept, len(prompts) - len(kept)
+    rows = read_metrics(Path(cfg.logging.output_dir) / "metrics.jsonl")
+    last = rows[-1]
+    return {
+        "tokens_generated": int(last["ledger/tokens_generated"]),
+        "tokens_with_gradient": int(last["ledger/tokens_with_gradient"]),
+        "prompts_filtered": int(last["ledger/prompts_filtered"]),
+        "seconds": sum(v for row in rows[1:] for k, v in row.items() if k.startswith("time/")),
+        "pass@1_start": rows[0].get("eval/pass@1"),
+        "pass@1_end": last.get("eval/pass@1"),
+    }
+
+
+def reload_and_answer(folder: Path, question: str, *, max_new_tokens: int) -> str:
+    """Load an exported folder with plain ``transformers`` (no winnow code) and answer greedily."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, trust_remote_code=False).eval()
+    # The policy was trained on [bos] + question (``pipeline.models.tokenizer.encode_prompt``).
+    ids = [tokenizer.bos_token_id, *tokenizer.encode(question, add_special_tokens=False)]
+    input_ids = torch.tensor([ids])  # (1, T)
+    output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
