@@ -53,13 +53,17 @@ class RewardConfig:
     )
     max_response_chars: int = option(8192, ge=1, help="only this many trailing characters of a response are searched")
     max_answer_chars: int = option(1024, ge=1, help="longer extracted or gold answers are parse errors")
+    numeric_answers: Literal["literal", "symbolic"] = option(
+        "literal", help="literal: a numeric gold needs a number, not an unevaluated expression "
+        "(closes a reward hack, see pipeline/rewards/answer_rules.py); symbolic: plain math-verify equality"
+    )
 
     def pool_kwargs(self) -> dict[str, object]:
         return {
             "num_workers": self.num_workers, "deadline_s": self.deadline_s,
             "memory_limit_mb": self.memory_limit_mb, "chunk_size": self.chunk_size,
             "format_reward": self.format_reward, "max_response_chars": self.max_response_chars,
-            "max_answer_chars": self.max_answer_chars,
+            "max_answer_chars": self.max_answer_chars, "numeric_answers": self.numeric_answers,
         }
 
 

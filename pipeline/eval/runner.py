@@ -48,7 +48,8 @@ def sample_and_grade(
     completions = engine.generate(requests, params)
     texts = [tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in completions]
     by_id = {prompt.id: prompt for prompt in prompts}
-    grades = pool.grade_batch([(text, by_id[c.prompt_id].answer) for text, c in zip(texts, completions)])
+    grades = pool.grade_batch([(text, by_id[c.prompt_id].answer, by_id[c.prompt_id].problem)
+                               for text, c in zip(texts, completions)])
     results = {prompt.id: ProblemResult(prompt, 0, 0, [], []) for prompt in prompts}
     for completion, text, grade in zip(completions, texts, grades):
         result = results[completion.prompt_id]

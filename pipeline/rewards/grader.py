@@ -38,6 +38,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from pipeline.rewards import answer_rules
+from pipeline.rewards.answer_rules import NumericAnswers
 from typing import Any
 
 from pipeline.rewards.extract import last_boxed
@@ -65,6 +68,8 @@ class Reason(enum.StrEnum):
     TIMEOUT = "timeout"  # grading passed its deadline (the pool killed the worker)
     MEMORY = "memory"  # grading hit the worker memory cap (see pool.GradingPool)
     WORKER_ERROR = "worker_error"  # unexpected exception in the grader or worker death
+    RESTATES_PROBLEM = "restates_problem"  # equal to the gold, but copied from the question (answer_rules)
+    NOT_A_NUMBER = "not_a_number"  # the gold is a number, the answer an unevaluated expression (answer_rules)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +98,11 @@ class GradeOptions:
     format_reward: float = 0.0
     max_response_chars: int = 8192
     max_answer_chars: int = 1024
+    numeric_answers: NumericAnswers = "literal"
 
     def __post_init__(self) -> None:
+        if self.numeric_answers not in ("literal", "symbolic"):
+            raise ValueError(f"numeric_answers must be 'literal' or 'symbolic', got {self.numeric_answers!r}")
         if not math.isfinite(self.format_reward):
             raise ValueError(f"format_reward must be finite, got {self.format_reward!r}")
         if self.max_response_chars < 1:
@@ -127,6 +135,16 @@ def _decided(
     """A grade for an outcome the response decided; the format term applies."""
     correctness = 1.0 if reason is Reason.CORRECT else 0.0
     return Grade(correctness + _format_term(has_box, options), reason, extracted)
+
+
+def apply_answer_rules(grade: Grade, *, gold: str, problem: str | None, options: GradeOptions) -> Grade:
+    """A correct grade that ``answer_rules`` rejects becomes wrong-scored with the rule as its reason."""
+    if grade.reason is not Reason.CORRECT:
+        return grade
+    rule = answer_rules.rejection(grade.extracted, gold=gold, problem=problem, numeric_answers=options.numeric_answers)
+    if rule is None:
+        return grade
+    return Grade(grade.score - 1.0, Reason(rule), grade.extracted)  # the wrong score: 0 + the same format term
 
 
 def failure(reason: Reason, extracted: str | None = None) -> Grade:
@@ -296,10 +314,12 @@ def grade(
     response: str,
     gold: str,
     *,
+    problem: str | None = None,
     format_reward: float = 0.0,
     timeout_s: float | None = 5.0,
     max_response_chars: int = 8192,
     max_answer_chars: int = 1024,
+    numeric_answers: NumericAnswers = "literal",
 ) -> Grade:
     """Grade one response against its gold answer, in this process.
 
@@ -312,6 +332,7 @@ def grade(
         format_reward=format_reward,
         max_response_chars=max_response_chars,
         max_answer_chars=max_answer_chars,
+        numeric_answers=numeric_answers,
     )
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive or None, got {timeout_s!r}")
@@ -321,9 +342,8 @@ def grade(
         return failure(Reason.MEMORY)
     except Exception:  # noqa: BLE001 - the contract is "never raises"
         return failure(Reason.WORKER_ERROR)
-    if isinstance(prepared, Grade):
-        return prepared
-    return grade_pending_guarded(prepared, options, timeout_s=timeout_s)
+    graded = prepared if isinstance(prepared, Grade) else grade_pending_guarded(prepared, options, timeout_s=timeout_s)
+    return apply_answer_rules(graded, gold=gold, problem=problem, options=options)
 
 
 def grade_pending_guarded(

@@ -51,7 +51,7 @@ from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Any
 
-from pipeline.rewards.grader import Grade, GradeOptions, PendingGrade, Reason, failure, prepare
+from pipeline.rewards.grader import Grade, GradeOptions, PendingGrade, Reason, apply_answer_rules, failure, prepare
 
 __all__ = ["GradingPool"]
 
@@ -156,6 +156,7 @@ class GradingPool:
         format_reward: float = 0.0,
         max_response_chars: int = 8192,
         max_answer_chars: int = 1024,
+        numeric_answers: str = "literal",
         start_method: str = "forkserver",
         startup_timeout_s: float = 60.0,
     ) -> None:
@@ -180,6 +181,7 @@ class GradingPool:
             format_reward=format_reward,
             max_response_chars=max_response_chars,
             max_answer_chars=max_answer_chars,
+            numeric_answers=numeric_answers,
         )
         self._startup_timeout_s = float(startup_timeout_s)
         self._steal_after_s = _STEAL_AFTER_FRACTION * self.deadline_s
@@ -215,18 +217,21 @@ class GradingPool:
     # ----------------------------------------------------------------------------------
     # public API
 
-    def grade_batch(self, pairs: Iterable[tuple[str, str]]) -> list[Grade]:
-        """Grades of ``(response, gold)`` pairs, in input order. Never raises for content.
+    def grade_batch(self, pairs: Iterable[tuple[str, str] | tuple[str, str, str | None]]) -> list[Grade]:
+        """Grades of ``(response, gold)`` or ``(response, gold, problem)`` items, in input order.
 
-        The fast path runs here in the parent; only undecided items go to workers.
+        Never raises for content. The fast path runs here in the parent; only undecided
+        items go to workers. With the problem text, an answer copied from the question is
+        not correct (``answer_rules``); pass it wherever it is known.
         """
+        items = [(item[0], item[1], item[2] if len(item) > 2 else None) for item in pairs]
         with self._lock:
             if self._closed:
                 raise RuntimeError("GradingPool is closed")
             start = time.monotonic()
             results: list[Grade | None] = []
             pending: dict[int, PendingGrade] = {}
-            for item_id, (response, gold) in enumerate(pairs):
+            for item_id, (response, gold, _) in enumerate(items):
                 prepared = prepare(response, gold, self.options)
                 if isinstance(prepared, Grade):
                     results.append(prepared)
@@ -246,7 +251,8 @@ class GradingPool:
                     raise
             self._metrics["last_batch_s"] = time.monotonic() - start
             assert all(grade is not None for grade in results)
-            return results  # type: ignore[return-value]
+            return [apply_answer_rules(grade, gold=gold, problem=problem, options=self.options)
+                    for grade, (_, gold, problem) in zip(results, items)]
 
     @property
     def metrics(self) -> dict[str, float]:

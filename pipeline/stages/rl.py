@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from pipeline.algorithms.depo import observed_zero_variance
 from pipeline.config import RLConfig
+from pipeline.errors import NonFiniteTrainingError
 from pipeline.eval.runner import sample_and_grade, score
 from pipeline.rl.methods import token_weights
 from pipeline.rl.rollouts import RolloutBatch, to_train_batch
@@ -63,7 +64,8 @@ def generate_and_grade(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *
         texts = [run.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in completions]
         position = {request.prompt_id: g for g, request in enumerate(requests)}
         group_ids = torch.tensor([position[c.prompt_id] for c in completions], dtype=torch.long)  # (S,)
-        grades = run.pool.grade_batch([(t, run.prompts[int(indices[g])].answer) for t, g in zip(texts, group_ids)])
+        graded_prompts = [run.prompts[int(indices[g])] for g in group_ids]
+        grades = run.pool.grade_batch([(t, p.answer, p.problem) for t, p in zip(texts, graded_prompts)])
         rewards = torch.tensor([g.score for g in grades], dtype=torch.float32)  # (S,)
         payload = (group_ids, completions, texts, rewards)
     if run.context.world_size > 1:
@@ -163,9 +165,13 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 kept_rows = keep_mask.nonzero().squeeze(1)
             with timer("update"):
                 update = actor.train_step(batch.select(kept_rows), methods.loss, temperature=temperature)
-                if actor.num_skipped_steps > cfg.trainer.max_skipped_steps:
-                    raise RuntimeError(f"{actor.num_skipped_steps} non-finite steps (trainer.max_skipped_steps="
-                                       f"{cfg.trainer.max_skipped_steps}); stopping before the policy is damaged")
+                run.extras["consecutive_skipped"] = run.extras["consecutive_skipped"] + 1 if update.skipped else 0
+                if run.extras["consecutive_skipped"] > cfg.trainer.max_skipped_steps:
+                    run.pool.close()
+                    raise NonFiniteTrainingError(
+                        f"{run.extras['consecutive_skipped']} consecutive non-finite steps up to step {step + 1} "
+                        f"(trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}); stopping before the policy "
+                        f"is damaged. The last checkpoint holds finite weights; lower optim.lr or check the data")
             with timer("sync"):
                 sync_actor_to_engine(actor, run.engine, version=step + 2)
 
