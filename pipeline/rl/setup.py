@@ -101,6 +101,7 @@ class Run:
             "sampling": sampling_state,
             "stats_meta": stats["meta"],
             "temperature": self.extras.get("temperature"),
+            "consecutive_skipped": self.extras["consecutive_skipped"],
         }
         return state, {**{f"stats.{k}": v for k, v in stats["tensors"].items()}, **sampling_tensors}
 
@@ -113,6 +114,7 @@ class Run:
         self.stats.load_state_dict({"meta": state["stats_meta"], "tensors": stats_tensors})
         self.sampling.load_state(state["sampling"], tensors)
         self.extras["temperature"] = state["temperature"]
+        self.extras["consecutive_skipped"] = int(state["consecutive_skipped"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +234,7 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
         prompt_token_ids=encoded_prompts, eval_prompts=eval_prompts, methods=methods, sampling=sampling,
         stream=PromptStream(len(prompts), seed=cfg.seed), stats=stats,
         ledger=Ledger(), checkpoints=checkpoints, writer=None, start_step=0, output_dir=output_dir,
-        extras={"temperature": cfg.temperature},
+        extras={"temperature": cfg.temperature, "consecutive_skipped": 0},
     )
     resume_from = checkpoints.newest_valid() if cfg.checkpoint.resume != "never" else None
     if cfg.checkpoint.resume == "must" and resume_from is None:

@@ -30,19 +30,27 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from pickle import UnpicklingError
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import CheckpointException
 
 from pipeline.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# How a failed write (ENOSPC, EFBIG, EROFS, EIO) reaches us from each writer: OSError from our
+# JSON files; SafetensorError from safetensors' Rust writer; RuntimeError from torch.save's C++
+# stream, which drops the errno ("basic_ios::clear: iostream error", megatron's common.pt); torch
+# DCP's CheckpointException (a BaseException) gathering every rank's writer failure (.distcp).
+_WRITE_FAILURES = (OSError, SafetensorError, RuntimeError, CheckpointException)
 HASHED_FILE_LIMIT = 64 * 2**20  # files above this are checked by size only (hashing TBs costs minutes)
 
 
@@ -150,12 +158,10 @@ class CheckpointManager:
             (tmp / "weights").mkdir(parents=True)
             (tmp / "ranks").mkdir()
         self._barrier()
+        model_state = actor.module.sharded_state_dict()
+        sharded_state = {"model": model_state, "optimizer": actor.optimizer.sharded_state_dict(model_state)}
         try:
-            model_state = actor.module.sharded_state_dict()
-            dist_checkpointing.save(
-                {"model": model_state, "optimizer": actor.optimizer.sharded_state_dict(model_state)},
-                str(tmp / "weights"),
-            )
+            dist_checkpointing.save(sharded_state, str(tmp / "weights"))
             _write_json_atomic(
                 tmp / "ranks" / f"rank_{self.rank:05d}.json",
                 {"rng": capture_rng_state(), "schedule": actor.schedule.state_dict(),
@@ -164,8 +170,12 @@ class CheckpointManager:
             if self.rank == 0:
                 _write_json_atomic(tmp / "state.json", {"step": step, **(state or {})})
                 save_file({k: v.contiguous() for k, v in (tensors or {}).items()}, str(tmp / "tensors.safetensors"))
-        except OSError as error:
-            raise CheckpointError(f"writing checkpoint {final} failed: {error}; the previous checkpoint is intact") from error
+        except _WRITE_FAILURES as error:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # on a full disk, give the space back
+            raise CheckpointError(
+                f"writing checkpoint {final} failed: {_describe_failure(error)}; the previous checkpoint is intact"
+            ) from error
         self._barrier()
         if self.rank == 0:
             self.publish(tmp, final, step, {**actor.checkpoint_metadata(), **(metadata or {})})
@@ -230,9 +240,9 @@ class CheckpointManager:
         """Restore weights, optimizer, schedule and RNG into ``actor``; return the run state."""
         self.verify(path)
         model_state = actor.module.sharded_state_dict()
-        loaded = dist_checkpointing.load(
+        loaded = _load_weights_only(
             {"model": model_state, "optimizer": actor.optimizer.sharded_state_dict(model_state, is_loading=True)},
-            str(path / "weights"),
+            path / "weights",
         )
         actor.module.load_state_dict(loaded["model"])
         actor.optimizer.load_state_dict(loaded["optimizer"])
@@ -262,22 +272,42 @@ def load_model_weights(step_dir: str | os.PathLike[str], module) -> None:
     output (weights only); megatron reshards whatever layout was saved.
     """
     from megatron.core.dist_checkpointing.core import CheckpointingException
-    from torch.distributed.checkpoint import CheckpointException
 
     weights = Path(step_dir) / "weights"
     if not weights.is_dir():
         raise CheckpointError(f"{weights} does not exist: not a winnow checkpoint")
     try:
-        loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(weights))
+        loaded = _load_weights_only({"model": module.sharded_state_dict()}, weights)
         module.load_state_dict(loaded["model"])
+    except CheckpointError:
+        raise
     except (CheckpointingException, CheckpointException, RuntimeError, ValueError, KeyError, OSError) as error:
         raise CheckpointError(
             f"cannot load the model weights from {weights} into the model its manifest describes: "
-            f"{_loading_failure(error)}"
+            f"{_describe_failure(error)}"
         ) from error
 
 
-def _loading_failure(error: BaseException) -> str:
+def _load_weights_only(sharded_state: dict[str, Any], weights: Path) -> dict[str, Any]:
+    """``dist_checkpointing.load``, refusing a checkpoint that pickles more than tensors and plain data.
+
+    megatron reads ``common.pt`` with ``torch.load`` at torch's default, ``weights_only=True``: a file
+    crafted to run code when unpickled fails with an ``UnpicklingError`` whose text suggests
+    retrying with ``weights_only=False`` — the one thing not to do with a checkpoint from elsewhere.
+    """
+    try:
+        return dist_checkpointing.load(sharded_state, str(weights))
+    except UnpicklingError as error:
+        # torch's text goes on to suggest weights_only=False or allow-listing the global: not here.
+        detail = str(error).split("WeightsUnpickler error:", 1)[-1].strip()
+        reason = (detail.splitlines() or ["UnpicklingError"])[0].split(" Please", 1)[0]
+        raise CheckpointError(
+            f"{weights} holds pickled objects that are not tensors or plain data ({reason}); refused: "
+            "unpickling a checkpoint from an untrusted source can run arbitrary code"
+        ) from error
+
+
+def _describe_failure(error: BaseException) -> str:
     # torch's CheckpointException wraps each rank's error with its traceback
     # (`failures`: rank -> (exception, stack)); the first one names the tensor.
     failures = getattr(error, "failures", None)

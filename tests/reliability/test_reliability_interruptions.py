@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -54,19 +55,25 @@ RUN_TIMEOUT_S = 400.0
 CRASH_SEED = 20260526
 
 
-def _overrides(tmp: Path, cache_dir: Path) -> list[str]:
+def _overrides(tmp: Path, cache_dir: Path, extra: Sequence[str] = ()) -> list[str]:
+    """The run's overrides; ``extra`` comes last, so it wins."""
     return [
         *[f"bootstrap.{o}" for o in BOOTSTRAP_OVERRIDES], f"bootstrap.cache_dir={cache_dir}",
         *RL_OVERRIDES, *EXTRA_OVERRIDES,
-        f"checkpoint.directory={tmp}/ckpt", f"logging.output_dir={tmp}/run",
+        f"checkpoint.directory={tmp}/ckpt", f"logging.output_dir={tmp}/run", *extra,
     ]
 
 
-def _launch(tmp: Path, cache_dir: Path, attempt: str) -> subprocess.Popen:
+def _launch(tmp: Path, cache_dir: Path, attempt: str, *, extra: Sequence[str] = ()) -> subprocess.Popen:
+    return _launch_command(tmp, ["rl", *_overrides(tmp, cache_dir, extra)], attempt)
+
+
+def _launch_command(tmp: Path, arguments: Sequence[str], attempt: str) -> subprocess.Popen:
+    """``winnow <arguments>`` in a fresh interpreter, its output in ``tmp/<attempt>.log``."""
     tmp.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with (tmp / f"{attempt}.log").open("w") as log:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "rl", *_overrides(tmp, cache_dir)],
+        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *arguments],
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -109,8 +116,8 @@ def _log_tail(tmp: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(tmp.glob("*.log")))
 
 
-def _run_to_completion(tmp: Path, cache_dir: Path, attempt: str) -> None:
-    process = _launch(tmp, cache_dir, attempt)
+def _run_to_completion(tmp: Path, cache_dir: Path, attempt: str, *, extra: Sequence[str] = ()) -> None:
+    process = _launch(tmp, cache_dir, attempt, extra=extra)
     assert _wait_for_exit(process, tmp, RUN_TIMEOUT_S) == 0, _log_tail(tmp)
 
 
@@ -124,15 +131,19 @@ def _strip_times(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
 
 
-def _final_weights(tmp: Path) -> dict[str, torch.Tensor]:
-    """Model and optimizer tensors of the final checkpoint, read from megatron's torch_dist files."""
+def checkpoint_tensors(step_dir: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors of one checkpoint, read from megatron's torch_dist files."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    converted = tmp / "final_weights.pt"
-    dcp_to_torch_save(tmp / "ckpt" / f"step_{NUM_STEPS:08d}" / "weights", converted)
+    converted = scratch / f"{step_dir.name}_weights.pt"
+    dcp_to_torch_save(step_dir / "weights", converted)
     # Our own file, just written from our own checkpoint: tensors only.
     state = torch.load(converted, weights_only=True)
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def _final_weights(tmp: Path) -> dict[str, torch.Tensor]:
+    return checkpoint_tensors(tmp / "ckpt" / f"step_{NUM_STEPS:08d}", tmp)
 
 
 def _assert_same_outcome(tmp: Path, reference: Path) -> None:
@@ -162,8 +173,8 @@ def _assert_same_outcome(tmp: Path, reference: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("bootstrap_cache")
+def cache_dir(bootstrap_cache_dir) -> Path:
+    return bootstrap_cache_dir
 
 
 @pytest.fixture(scope="module")
