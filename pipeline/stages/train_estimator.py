@@ -17,7 +17,9 @@ Outputs under ``output_dir``:
 
     estimator/         model.safetensors, estimator.json, tokenizer files (``DifficultyEstimator.load``)
     calibration.json   held-out and train calibration (Brier, Spearman, filter precision/recall,
-                       reliability bins), per-epoch history, split sizes, config, timings
+                       reliability bins), per-epoch history, split sizes, config, package versions,
+                       timings — the stage's manifest, written last: a rerun with the same config
+                       finds it and returns without retraining
     calibration.png    reliability diagram: mean observed vs mean predicted pass rate per bin
 """
 
@@ -88,11 +90,20 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
 
     from pipeline.estimator.train import EstimatorTrainer
 
+    from pipeline.stages.evaluate import package_versions
+
     if cfg.curation_dir is None:
         raise ConfigError("curation_dir: required; the output_dir of a finished `winnow curate`")
     started = time.perf_counter()
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    finished = output_dir / CALIBRATION_FILE
+    if finished.is_file() and (output_dir / ESTIMATOR_DIR).is_dir():
+        previous = json.loads(finished.read_text())
+        if previous.get("config") == configlib.to_dict(cfg):
+            # calibration.json is written last: its presence with this config marks a finished run.
+            out(f"already trained with this config: {output_dir} (delete {finished.name} to retrain)")
+            return previous
 
     ids, texts, pass_rates, samples_per_prompt = load_training_set(cfg.curation_dir)
     held_out = holdout_mask(ids, fraction=cfg.holdout_fraction)  # (P,)
@@ -146,6 +157,7 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
         "train": train,
         "history": history,
         "config": configlib.to_dict(cfg),
+        "versions": package_versions(),
         "timings": {"train_s": train_seconds, "total_s": time.perf_counter() - started},
         "num_updates": trainer.num_updates,
     }

@@ -286,6 +286,13 @@ def test_stage_end_to_end_on_a_fake_curation(tmp_path, capsys):
     predicted = loaded.predict_pass_rate(held_texts).double().numpy()
     held_rates = pass_rates[holdout_mask(ids, fraction=0.25)]
     assert np.mean((predicted - held_rates) ** 2) == pytest.approx(report["holdout"]["brier"], rel=1e-5)
+    assert "torch" in report["versions"]
+
+    # A rerun with the same config finds the finished outputs and does not retrain.
+    weights = (out / "estimator" / "model.safetensors").stat().st_mtime_ns
+    assert run_train_estimator_command(args) == 0
+    assert "already trained with this config" in capsys.readouterr().out
+    assert (out / "estimator" / "model.safetensors").stat().st_mtime_ns == weights
 
     with pytest.raises(ConfigError, match="curation_dir"):
         from pipeline.stages.train_estimator import run_train_estimator
