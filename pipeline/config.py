@@ -154,6 +154,11 @@ class TrainerConfig:
     fp8: Literal["off", "delayed", "current"] = option(
         "off", help="Transformer Engine FP8 scaling recipe (GPU with TE only; delayed or current scaling)"
     )
+    old_logprobs: Literal["recompute", "update_forward"] = option(
+        "recompute", help="π_old: a separate forward pass before the update (logs the train/rollout mismatch), or "
+        "the update's own forward (one update per batch makes them equal; saves a pass). Methods that weight "
+        "tokens by entropy, or E3's temperature, always recompute",
+    )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -33,6 +33,11 @@ class Methods:
     temperature: TemperatureScheduler | None
     stateful: dict[str, object] = field(default_factory=dict)  # name → object with state_dict()
 
+    @property
+    def needs_token_stats(self) -> bool:
+        """Whether log-probs and entropies are needed before the update (token weights, E3's τ)."""
+        return bool(self.token_weightings) or self.temperature is not None
+
 
 def build_methods(cfg: AlgorithmConfig, *, total_steps: int, group_size: int, vocab_size: int,
                   temperature: float) -> Methods:

@@ -152,7 +152,9 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
             with timer("logprobs"):
                 batch, engine_logprobs = to_train_batch(rollouts.prompt_token_ids, rollouts.completions,
                                                         rollouts.group_ids, pad_id=run.tokenizer.pad_token_id)
-                old_logprobs, entropy = actor.compute_token_stats(batch, temperature=temperature)
+                old_logprobs, entropy = None, None  # trainer.old_logprobs=update_forward: the update's own pass
+                if methods.needs_token_stats or cfg.trainer.old_logprobs == "recompute":
+                    old_logprobs, entropy = actor.compute_token_stats(batch, temperature=temperature)
                 weights, token_mask, weight_metrics = token_weights(
                     methods, advantages=advantages, entropy=entropy, logprobs=old_logprobs,
                     response_mask=batch.response_mask, group_ids=rollouts.group_ids, keep_mask=keep_mask,
@@ -181,7 +183,7 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
             record_statistics(run, pool=pool, filtered=selected.dropped, step=step)
             if any(epochs_ended):
                 metrics.update(sampling.budget.end_pass())
-            mean_entropy = float(entropy[batch.response_mask].mean())
+            mean_entropy = float(entropy[batch.response_mask].mean()) if entropy is not None else update.metrics["entropy"]
             if methods.d3s_schedule is not None:
                 methods.d3s_schedule.update()
             if methods.temperature is not None:
@@ -197,7 +199,9 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
             ledger.samples_discarded += pool.num_samples - kept_rows.numel()
             ledger.zero_variance_groups += zero_variance
             ledger.groups += pool.num_prompts
-            _, mismatch = logprob_mismatch(engine_logprobs, old_logprobs, mask=batch.response_mask)
+            mismatch = {}
+            if old_logprobs is not None:
+                _, mismatch = logprob_mismatch(engine_logprobs, old_logprobs, mask=batch.response_mask)
             budget_counts = pool.num_samples_per_prompt().double()
             last = {
                 "reward_mean": float(pool.rewards.mean()), "pass_rate": float((pool.rewards > 0).float().mean()),
@@ -207,7 +211,7 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 "filter_ratio": selected.dropped.numel() / max(candidates.numel(), 1),
                 "budget/samples_per_prompt_mean": float(budget_counts.mean()),
                 "budget/samples_per_prompt_max": float(budget_counts.max()),
-                "mismatch/mean_abs": float(mismatch["mean_abs_diff"]), "mismatch/max_abs": float(mismatch["max_abs_diff"]),
+                **{f"mismatch/{k}": float(mismatch[f"{k}_diff"]) for k in ("mean_abs", "max_abs") if mismatch},
                 **{f"update/{k}": v for k, v in update.metrics.items()},
                 **{k: float(v) for k, v in metrics.items()},
                 **{f"ledger/{k}": v for k, v in ledger.state_dict().items()},

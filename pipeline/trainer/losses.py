@@ -46,11 +46,13 @@ class PolicyLoss:
 
     def __call__(self, *, logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: TrainBatch,
                  normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        if micro.advantages is None or micro.old_logprobs is None:
-            raise ValueError("a policy loss needs advantages and old_logprobs in the TrainBatch")
+        if micro.advantages is None:
+            raise ValueError("a policy loss needs advantages in the TrainBatch")
+        # No old_logprobs: one update per batch, so π_old is π_θ at this very forward pass.
+        old_logprobs = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         return self.fn(
             logprobs=logprobs,
-            old_logprobs=micro.old_logprobs,
+            old_logprobs=old_logprobs,
             advantages=micro.advantages,
             response_mask=micro.response_mask,
             token_mask=micro.token_mask,

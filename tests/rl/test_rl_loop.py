@@ -127,3 +127,15 @@ def test_default_combination_runs_and_resumes_exactly(tmp_path):
     assert rows[-1]["estimator/num_updates"] == 4.0
     assert all(row["ada/pool_size_mean"] >= 4 for row in rows[1:])
     assert all(row["balanced/kept_fraction"] <= 1.0 for row in rows[1:])
+
+
+@pytest.mark.slow
+def test_old_logprobs_from_the_update_forward_trains_like_a_recompute(tmp_path):
+    """One update per batch: π_old from the update's own pass gives the recomputed run's weights."""
+    recomputed = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "a"), ["steps=2", "optim.total_steps=2"], None))[0]
+    reused = run_distributed(_rl_worker, world_size=1, args=(
+        str(tmp_path / "b"), ["steps=2", "optim.total_steps=2", "trainer.old_logprobs=update_forward"], None))[0]
+    for name, value in recomputed["weights"].items():
+        torch.testing.assert_close(reused["weights"][name], value, rtol=0, atol=1e-6, msg=name)
+    assert "mismatch/mean_abs" in recomputed["rows"][-1] and "mismatch/mean_abs" not in reused["rows"][-1]
+    assert reused["rows"][-1]["entropy"] > 0
