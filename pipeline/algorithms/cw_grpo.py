@@ -34,20 +34,25 @@ Choices where the paper is ambiguous:
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 
 from pipeline.algorithms.registry import TOKEN_WEIGHTS
-from pipeline.algorithms.segments import check_group_ids
+from pipeline.algorithms.segments import (
+    all_finite,
+    check_group_ids,
+    count_true,
+    group_min,
+    group_sum,
+    run_min,
+    run_sum,
+)
 
 __all__ = ["cw_grpo_token_weights"]
 
 CovarianceScope = Literal["group", "batch"]
-
-
-def _scope_sum(values: torch.Tensor, scope_ids: torch.Tensor, num_scopes: int) -> torch.Tensor:
-    return values.new_zeros(num_scopes).index_add(0, scope_ids, values)
 
 
 @TOKEN_WEIGHTS.register("cw_grpo")
@@ -97,66 +102,92 @@ def cw_grpo_token_weights(
     num_groups = check_group_ids(group_ids)
 
     valid_mask = response_mask.bool()  # (B, T)
-    # Only the valid tokens are touched from here on: select first, then widen to float64.
-    flat_valid = valid_mask.reshape(-1)  # (B·T,)
-    valid_positions = flat_valid.nonzero().squeeze(1)  # (n,)
-    valid_rows = torch.div(valid_positions, num_cols, rounding_mode="floor")  # (n,)
-    logp_valid = logprobs.detach().reshape(-1)[valid_positions]  # (n,)
-    if not bool(torch.isfinite(logp_valid).all()):
+    # Only the valid tokens are touched: rows with tokens first (a cheap count), then the
+    # positions inside them; every statistic below is a run over a row or a sum over rows.
+    row_counts = count_true(valid_mask, dim=1)  # (B,)
+    rows = (row_counts > 0).nonzero().squeeze(1)  # (R,)
+    num_token_rows = rows.numel()
+    lengths = row_counts.index_select(0, rows)  # (R,) valid tokens per row
+    token_rows = torch.repeat_interleave(torch.arange(num_token_rows, device=rows.device), lengths)  # (n,)
+    if num_token_rows == num_rows:
+        positions = valid_mask.reshape(-1).nonzero().squeeze(1)  # (n,) row-major in (B, T)
+    else:
+        positions = valid_mask.index_select(0, rows).reshape(-1).nonzero().squeeze(1)  # (n,) in (R, T)
+        row_shift = (rows - torch.arange(num_token_rows, device=rows.device)) * num_cols  # (R,)
+        positions += row_shift.index_select(0, token_rows)  # → (B, T)
+    logp_valid = logprobs.detach().reshape(-1).index_select(0, positions)  # (n,)
+    row_advantages = advantages.detach().index_select(0, rows)  # (R,)
+    if not all_finite(logp_valid):
         raise ValueError("logprobs contain non-finite values on response tokens")
-    if not bool(torch.isfinite(advantages.detach()[valid_mask.any(dim=1)]).all()):
+    if not all_finite(row_advantages):
         raise ValueError("advantages of responses with tokens contain non-finite values")
 
     with torch.no_grad():
         if scope == "group":
-            row_scope = group_ids.long()
+            row_scope = group_ids.long().index_select(0, rows)  # (R,)
             num_scopes = num_groups
         else:
-            row_scope = torch.zeros(num_rows, dtype=torch.int64, device=logprobs.device)
+            row_scope = torch.zeros(num_token_rows, dtype=torch.int64, device=logprobs.device)
             num_scopes = 1 if num_rows else 0
-        scope_ids = row_scope[valid_rows]  # (n,)
-        # Statistics in float64: c is a product of two centred quantities and
-        # its square enters an exponent.
-        logp = logp_valid.to(torch.float64)  # (n,)
-        adv = advantages.detach()[valid_rows].to(torch.float64)  # (n,)
+        lengths_f = lengths.to(torch.float64)
+        counts = group_sum(lengths_f, row_scope, num_scopes)  # (U,) valid tokens per scope
+        safe_counts = counts.clamp(min=1)
+        # Per-token arithmetic runs in place on two float64 buffers: fresh memory, not the
+        # arithmetic, is what costs on CPU. Statistics are float64 because c is a product
+        # of two centred quantities and its square enters an exponent.
+        token_values = logp_valid.to(torch.float64)  # (n,) log π
+        broadcast = torch.empty_like(token_values)  # (n,) a per-scope or per-row value per token
 
-        counts = _scope_sum(torch.ones_like(logp), scope_ids, num_scopes).clamp(min=1)  # (U,)
-        mean_logp = _scope_sum(logp, scope_ids, num_scopes) / counts
-        mean_adv = _scope_sum(adv, scope_ids, num_scopes) / counts
-        cov = (logp - mean_logp[scope_ids]) * (adv - mean_adv[scope_ids])  # (n,) 2.3-a
-        mean_cov = _scope_sum(cov, scope_ids, num_scopes) / counts
-        centred = cov - mean_cov[scope_ids]
-        sigma = (_scope_sum(centred * centred, scope_ids, num_scopes) / counts).sqrt()  # (U,)
+        def per_token(per_row: torch.Tensor) -> torch.Tensor:  # (R,) → (n,), into `broadcast`
+            return torch.index_select(per_row, 0, token_rows, out=broadcast)
 
-        # 2.3-b in log space; σ = 0 → log w = 0 (weight 1) for the whole scope.
-        sigma_sq = (sigma * sigma)[scope_ids]
-        degenerate = sigma_sq == 0
-        safe_sigma_sq = sigma_sq.clamp(min=torch.finfo(torch.float64).tiny)
-        log_w = torch.where(degenerate, torch.zeros_like(cov), -(cov * cov) / (2.0 * safe_sigma_sq))
-        # 2.3-c as n · softmax(log w) per scope.
-        scope_max = log_w.new_full((num_scopes,), float("-inf")).scatter_reduce(
-            0, scope_ids, log_w, reduce="amax", include_self=True
-        )
-        shifted = torch.exp(log_w - scope_max[scope_ids])
-        normaliser = _scope_sum(shifted, scope_ids, num_scopes)
-        weights_valid = shifted * counts[scope_ids] / normaliser[scope_ids]
+        def scope_sum(values: torch.Tensor) -> torch.Tensor:  # (n,) → (U,)
+            return group_sum(run_sum(values, lengths), row_scope, num_scopes)
+
+        mean_logp = scope_sum(token_values) / safe_counts
+        adv = row_advantages.to(torch.float64)
+        mean_adv = group_sum(adv * lengths_f, row_scope, num_scopes) / safe_counts
+        centred_adv = adv - mean_adv.index_select(0, row_scope)  # (R,)
+        cov = token_values.sub_(per_token(mean_logp.index_select(0, row_scope)))
+        cov.mul_(per_token(centred_adv))  # (n,) c of 2.3-a
+        cov_sum = scope_sum(cov)  # (U,)
+        centred = torch.sub(cov, per_token((cov_sum / safe_counts).index_select(0, row_scope)), out=broadcast)
+        sigma = (scope_sum(centred.mul_(centred)) / safe_counts).sqrt()  # (U,)
+        empty = cov.new_zeros(())
+        cov_low, cov_high = torch.aminmax(cov) if cov.numel() else (empty, empty)
+
+        # 2.3-b as w = exp(−q), q = (c / (√2 σ))²; σ = 0 → q = 0 (weight 1) for the whole
+        # scope. Scaling c before squaring keeps an overflowing c² from meeting a zero scale.
+        smallest_sigma = torch.finfo(torch.float64).tiny ** 0.5
+        inverse_width = torch.where(
+            sigma > 0, 1.0 / (math.sqrt(2.0) * sigma.clamp(min=smallest_sigma)), 0.0
+        )  # (U,)
+        q = cov.mul_(per_token(inverse_width.index_select(0, row_scope)))
+        q.mul_(q)  # (n,) −log w
+        # 2.3-c as n · softmax(−q) per scope, shifted by the scope's smallest q.
+        q_min = group_min(run_min(q, lengths), row_scope, num_scopes)  # (U,)
+        shifted = torch.sub(per_token(q_min.index_select(0, row_scope)), q, out=q).exp_()  # (n,) w / max w
+        normaliser = scope_sum(shifted)  # (U,) ≥ 1 where the scope has tokens
+        weights_valid = shifted.mul_(per_token((counts / normaliser.clamp(min=1)).index_select(0, row_scope)))
 
         weights = torch.zeros(num_rows * num_cols, dtype=logprobs.dtype, device=logprobs.device)
-        weights[valid_positions] = weights_valid.to(logprobs.dtype)
+        weights.scatter_(0, positions, weights_valid.to(logprobs.dtype))
         weights = weights.view(num_rows, num_cols)
 
-        present = _scope_sum(torch.ones_like(logp), scope_ids, num_scopes) > 0
-        raw_w = torch.exp(log_w)
-    empty = logp.new_zeros(())
+        present = counts > 0
+        num_tokens = max(positions.numel(), 1)
+        weight_min, weight_max = torch.aminmax(weights_valid) if positions.numel() else (empty, empty)
+        # Σ exp(−q) per scope is exp(−q_min) · normaliser: no second exp over the tokens.
+        kernel_sum = torch.where(present, torch.exp(-q_min) * normaliser, 0.0).sum()
     metrics: dict[str, float | torch.Tensor] = {
-        "cw_grpo/cov_mean": cov.mean() if cov.numel() else empty,
-        "cw_grpo/cov_abs_max": cov.abs().max() if cov.numel() else empty,
+        "cw_grpo/cov_mean": cov_sum.sum() / num_tokens,
+        "cw_grpo/cov_abs_max": torch.maximum(cov_low.abs(), cov_high.abs()),
         "cw_grpo/sigma_mean": sigma[present].mean() if bool(present.any()) else empty,
         "cw_grpo/sigma_zero_fraction": (
             (sigma[present] == 0).to(torch.float64).mean() if bool(present.any()) else empty
         ),
-        "cw_grpo/kernel_mean": raw_w.mean() if raw_w.numel() else empty,
-        "cw_grpo/weight_min": weights_valid.min() if weights_valid.numel() else empty,
-        "cw_grpo/weight_max": weights_valid.max() if weights_valid.numel() else empty,
+        "cw_grpo/kernel_mean": kernel_sum / num_tokens,
+        "cw_grpo/weight_min": weight_min,
+        "cw_grpo/weight_max": weight_max,
     }
     return weights, metrics

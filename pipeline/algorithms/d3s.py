@@ -63,7 +63,14 @@ from typing import Any, Literal
 import torch
 
 from pipeline.algorithms.registry import SAMPLE_SELECTORS, TOKEN_WEIGHTS
-from pipeline.algorithms.segments import check_group_ids, group_counts, group_sum
+from pipeline.algorithms.segments import (
+    all_finite,
+    check_group_ids,
+    count_true,
+    group_counts,
+    group_sum,
+    positions_in_sorted_groups,
+)
 
 __all__ = [
     "check_num_keep",
@@ -391,53 +398,167 @@ def d3s_cross_select(
 # Token level: Eq. 8                                                           #
 # --------------------------------------------------------------------------- #
 
-
-def _single_unit_topk_mask(*, scores: torch.Tensor, valid_mask: torch.Tensor, keep_ratio: float) -> torch.Tensor:
-    """``_topk_token_mask`` for one pool (the default batch scope) in O(n) instead of two sorts.
-
-    The k-th largest valid score is found by selection (``kthvalue``); every score
-    above it is kept, and among scores equal to it the lowest flat indices fill the
-    remaining places — the same set the stable sort would choose.
-    """
-    valid_scores = scores[valid_mask]  # selection on the valid tokens only: fewer than B·T
-    num_valid = valid_scores.numel()
-    if num_valid == 0:
-        return torch.zeros_like(valid_mask)
-    num_keep = min(num_valid, max(1, math.ceil(num_valid * keep_ratio - _CEIL_SLACK)))
-    threshold = torch.kthvalue(valid_scores, num_valid - num_keep + 1).values
-    above = valid_mask & (scores > threshold)
-    tied = valid_mask & (scores == threshold)
-    places_left = num_keep - int(above.sum())
-    return above | (tied & (torch.cumsum(tied, 0) <= places_left))
+# Entropy and advantages of these dtypes are ranked on float32 keys (_ranking_keys).
+_FLOAT32_KEY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A pool of at least this many keys is bracketed from a strided sample of about
+# _BRACKET_SAMPLE_SIZE keys before the exact selection (_kth_largest).
+_BRACKET_MIN_POOL = 1 << 17
+_BRACKET_SAMPLE_SIZE = 16384
+# Half-width of the bracket in binomial standard deviations of the sample rank:
+# a random layout misses it with probability ~1e-4 (then the exact fallback runs).
+_BRACKET_STDS = 4.0
 
 
-def _topk_token_mask(
-    *, scores: torch.Tensor, valid_mask: torch.Tensor, unit_ids: torch.Tensor, keep_ratio: float
+def _num_tokens_to_keep(num_valid: torch.Tensor, keep_ratio: float) -> torch.Tensor:
+    """``ceil(K·n)`` per pool, at least 1 when ``n > 0``, never more than ``n``; int64."""
+    num_keep = torch.ceil(num_valid.to(torch.float64) * keep_ratio - _CEIL_SLACK).long()
+    return torch.minimum(num_keep.clamp(min=1), num_valid)
+
+
+def _ranking_keys(
+    *,
+    entropy: torch.Tensor,
+    rows: torch.Tensor | None,
+    abs_advantages: torch.Tensor,
+    valid_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """Within each unit, the ``ceil(K·n)`` valid tokens of highest score.
+    """``(R, T)`` ranking keys ``|A_i|·H_{i,t}`` of the selected ``rows``, −inf off the valid tokens.
 
-    ``scores``/``valid_mask``/``unit_ids`` are flat ``(B·T,)``. Ties go to the
-    lower flat index: a stable descending sort keeps index order among equals.
+    The reference key is the float64 product. For float32 (and 16-bit) inputs it
+    is exact (24 + 24 significand bits fit in 53), so the float32 product — its
+    correctly rounded value — is a non-decreasing function of it: comparing float32
+    keys can merge reference keys into ties but never reorders them. The same holds
+    for the clamp to the finite range, which also keeps every valid key above the
+    −inf of the padding. Ties that matter are re-ranked on the reference keys by
+    ``_break_ties``, so the selection is the float64 one.
+
+    Everything happens in one fresh buffer (the gathered rows), which is also where
+    the entropy is checked: fresh (B, T)-sized memory is the dominant cost on CPU.
     """
-    num_tokens = scores.numel()
-    device = scores.device
-    if num_tokens and bool((unit_ids == unit_ids[0]).all()):
-        return _single_unit_topk_mask(scores=scores, valid_mask=valid_mask, keep_ratio=keep_ratio)
-    ranked = torch.where(valid_mask, scores, torch.full_like(scores, float("-inf")))
-    by_score = torch.sort(ranked, descending=True, stable=True).indices
-    order = by_score[torch.sort(unit_ids[by_score], stable=True).indices]  # (B·T,)
-    sorted_units = unit_ids[order]
-    num_units = int(unit_ids.max()) + 1 if num_tokens else 0
-    unit_sizes = torch.bincount(unit_ids, minlength=num_units)
-    unit_valid = torch.bincount(unit_ids[valid_mask], minlength=num_units)  # (U,)
-    starts = torch.cumsum(unit_sizes, 0) - unit_sizes
-    rank = torch.arange(num_tokens, device=device) - starts[sorted_units]
-    num_keep = torch.ceil(unit_valid.to(torch.float64) * keep_ratio - _CEIL_SLACK).long()
-    num_keep = torch.minimum(num_keep.clamp(min=1), unit_valid)
-    keep = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    keep[order] = rank < num_keep[sorted_units]
-    assert not bool((keep & ~valid_mask).any())
-    return keep
+    if entropy.dtype in _FLOAT32_KEY_DTYPES and abs_advantages.dtype in _FLOAT32_KEY_DTYPES:
+        key_dtype = torch.float32
+    else:
+        key_dtype = torch.float64
+    if rows is None:
+        keys = entropy.to(key_dtype, copy=True)  # (R, T)
+    else:
+        keys = entropy.index_select(0, rows).to(key_dtype)
+    largest = torch.finfo(key_dtype).max
+    needs_clamp = True
+    if keys.numel():
+        lowest, highest = torch.aminmax(keys)
+        if bool(torch.isfinite(lowest) & torch.isfinite(highest)):
+            # No product can overflow: skip the clamp pass.
+            bound = float(torch.maximum(-lowest, highest)) * float(abs_advantages.max())
+            needs_clamp = not bound < largest
+        elif not all_finite(keys, valid_mask):
+            raise ValueError("entropy contains non-finite values on response tokens")
+    keys.mul_(abs_advantages.to(key_dtype)[:, None])
+    if needs_clamp:
+        keys.clamp_(-largest, largest)
+    return torch.where(valid_mask, keys, keys.new_tensor(float("-inf")), out=keys)
+
+
+def _kth_largest(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k``-th largest entry (1 ≤ k ≤ numel) of a flat tensor without NaN, and candidates.
+
+    ``candidates`` holds every entry ≥ the answer (and maybe some below it), so
+    counts and sums over the top of ``values`` can be taken on it instead of on
+    ``values``. A large pool is bracketed first: two order statistics of a
+    strided sample straddle the expected rank, the entries above the lower one
+    become the candidates (a few percent more than k), and the exact selection
+    runs on the entries between the two. A bracket that misses (a layout that
+    fools the stride) falls back to selecting over everything, so the answer
+    never depends on the sample.
+    """
+    num_values = values.numel()
+    if num_values >= _BRACKET_MIN_POOL:
+        # An odd stride: one that divides the row length would sample the same columns.
+        stride = (num_values // _BRACKET_SAMPLE_SIZE) | 1
+        sample = values[::stride].contiguous()
+        num_sample = sample.numel()
+        expected_rank = k * num_sample / num_values  # rank from the top within the sample
+        half_width = _BRACKET_STDS * math.sqrt(expected_rank * (1 - expected_rank / num_sample)) + 2
+        top_rank = math.floor(expected_rank - half_width)
+        bottom_rank = math.ceil(expected_rank + half_width)
+        if bottom_rank <= num_sample:
+            lower = torch.kthvalue(sample, num_sample - bottom_rank + 1).values
+            # −inf would make all padding a candidate.
+            candidates = values[values >= lower] if bool(lower > float("-inf")) else values[:0]
+            if candidates.numel() >= k:
+                inside = candidates
+                if top_rank >= 1:
+                    upper = torch.kthvalue(sample, num_sample - top_rank + 1).values
+                    inside = candidates[candidates <= upper]
+                rank_inside = k - (candidates.numel() - inside.numel())  # rank from the top inside
+                if rank_inside >= 1:  # else more than k entries lie above the bracket
+                    return torch.kthvalue(inside, inside.numel() - rank_inside + 1).values, candidates
+                return torch.kthvalue(candidates, candidates.numel() - k + 1).values, candidates
+    return torch.kthvalue(values, num_values - k + 1).values, values
+
+
+def _pool_thresholds(
+    *, keys: torch.Tensor, row_pools: torch.Tensor, num_pools: int, num_keep: torch.Tensor
+) -> torch.Tensor:
+    """Per pool, the ``num_keep``-th largest key (+inf where nothing is kept); ``(U,)``.
+
+    ``keys`` ``(R, T)`` with −inf padding; pool ``u`` is the rows with ``row_pools == u``.
+    Every pool is laid out as one padded row of its rows' keys for one batched topk.
+    """
+    num_rows, num_cols = keys.shape
+    order = torch.sort(row_pools, stable=True).indices  # (R,)
+    sorted_pools = row_pools[order]
+    slot = positions_in_sorted_groups(sorted_pools, num_pools)  # (R,) row's place in its pool
+    max_rows = int(slot.max()) + 1
+    if max_rows == 1 and num_pools == num_rows:  # one row per pool (scope="sample")
+        laid_out = keys.index_select(0, order)
+    else:
+        laid_out = keys.new_full((num_pools, max_rows, num_cols), float("-inf"))
+        laid_out[sorted_pools, slot] = keys[order]
+        laid_out = laid_out.view(num_pools, max_rows * num_cols)
+    max_keep = int(num_keep.max())
+    top = torch.topk(laid_out, max_keep, dim=1).values  # (U, max_keep) descending
+    kth = top.gather(1, (num_keep - 1).clamp(min=0)[:, None]).squeeze(1)
+    return torch.where(num_keep > 0, kth, float("inf"))
+
+
+def _break_ties(
+    *,
+    keys: torch.Tensor,
+    row_thresholds: torch.Tensor,
+    row_pools: torch.Tensor,
+    num_pools: int,
+    num_keep: torch.Tensor,
+    entropy: torch.Tensor,
+    rows: torch.Tensor | None,
+    abs_advantages: torch.Tensor,
+) -> torch.Tensor:
+    """The kept ``(R, T)`` mask when more keys equal a pool's threshold than places remain.
+
+    Keys above the threshold are kept; the tied ones are ranked by their float64
+    reference key (``_ranking_keys``: float32 keys may tie where float64 ones
+    differ), then by flat index, and fill the remaining places of their pool.
+    ``entropy`` is the full ``(B, T)`` input; ``rows`` maps key rows to its rows.
+    """
+    num_cols = keys.shape[1]
+    above = keys > row_thresholds[:, None]  # (R, T)
+    tied = keys == row_thresholds[:, None]
+    places_left = num_keep - group_sum(count_true(above, dim=1), row_pools, num_pools)  # (U,)
+    tied_at = tied.view(-1).nonzero().squeeze(1)  # (m,) ascending flat index
+    tied_rows = torch.div(tied_at, num_cols, rounding_mode="floor")
+    entropy_rows = tied_rows if rows is None else rows.index_select(0, tied_rows)
+    entropy_at = entropy_rows * num_cols + (tied_at - tied_rows * num_cols)
+    reference = (
+        entropy.reshape(-1).index_select(0, entropy_at).to(torch.float64)
+        * abs_advantages.to(torch.float64).index_select(0, tied_rows)
+    )
+    order = torch.sort(reference, descending=True, stable=True).indices  # index order among equals
+    order = order[torch.sort(row_pools[tied_rows[order]], stable=True).indices]
+    sorted_pools = row_pools[tied_rows[order]]
+    rank = positions_in_sorted_groups(sorted_pools, num_pools)
+    keep = above.view(-1)
+    keep[tied_at[order[rank < places_left[sorted_pools]]]] = True
+    return above
 
 
 @TOKEN_WEIGHTS.register("d3s_topk")
@@ -473,7 +594,11 @@ def d3s_topk_token_weights(
     Returns:
         ``(weights (B, T) float in {0, 1} without gradient, metrics)``. Each
         pool keeps ``ceil(K·n)`` of its n valid tokens, at least 1 when n > 0;
-        ties in the key go to the lower row-major index.
+        the key is the float64 product ``|A_i|·H_{i,t}`` and its ties go to the
+        lower row-major index (the selection is computed on float32 keys where
+        that gives the same set, see ``_ranking_keys``).
+        ``d3s/kept_token_score_mean`` averages the kept keys as ranked (float32
+        for float32 inputs).
     """
     del logprobs
     if scope not in ("batch", "group", "sample"):
@@ -491,50 +616,91 @@ def d3s_topk_token_weights(
         raise ValueError(f"advantages must be (B,) = ({num_rows},), got {tuple(advantages.shape)}")
     if group_ids.shape != (num_rows,):
         raise ValueError(f"group_ids must be (B,) = ({num_rows},), got {tuple(group_ids.shape)}")
-
-    valid_mask = response_mask.bool()  # (B, T)
-    if sample_keep_mask is not None:
-        if sample_keep_mask.shape != (num_rows,):
-            raise ValueError(
-                f"sample_keep_mask must be (B,) = ({num_rows},), "
-                f"got {tuple(sample_keep_mask.shape)}"
-            )
-        valid_mask = valid_mask & sample_keep_mask.bool()[:, None]
-    if not bool(torch.isfinite(advantages[valid_mask.any(dim=1)]).all()):
-        raise ValueError("advantages of selected responses contain non-finite values")
-    if not bool((torch.isfinite(entropy) | ~valid_mask).all()):
-        raise ValueError("entropy contains non-finite values on response tokens")
+    if sample_keep_mask is not None and sample_keep_mask.shape != (num_rows,):
+        raise ValueError(
+            f"sample_keep_mask must be (B,) = ({num_rows},), got {tuple(sample_keep_mask.shape)}"
+        )
 
     with torch.no_grad():
-        adv = advantages.detach().to(torch.float64)
-        # float64 keeps the product exact enough that ties are true ties; masked-out
-        # positions are zeroed (they never rank: _topk_token_mask excludes them).
-        scores = torch.where(valid_mask, entropy.detach().to(torch.float64) * adv.abs()[:, None], 0.0)  # (B, T)
-        if scope == "batch":
-            row_units = torch.zeros(num_rows, dtype=torch.int64, device=entropy.device)
-        elif scope == "group":
-            row_units = group_ids.long()
-        else:
-            row_units = torch.arange(num_rows, device=entropy.device)
-        unit_ids = row_units[:, None].expand(num_rows, num_cols).reshape(-1)
-        keep = _topk_token_mask(
-            scores=scores.reshape(-1),
-            valid_mask=valid_mask.reshape(-1),
-            unit_ids=unit_ids,
-            keep_ratio=float(keep_ratio),
+        # Only the selected rows take part: gather them once instead of masking (B, T).
+        rows = None if sample_keep_mask is None else sample_keep_mask.bool().nonzero().squeeze(1)  # (R,)
+        if rows is not None and rows.numel() == num_rows:
+            rows = None
+        valid_mask = response_mask.bool()
+        row_advantages = advantages.detach()
+        if rows is not None:
+            valid_mask = valid_mask.index_select(0, rows)  # (R, T)
+            row_advantages = row_advantages.index_select(0, rows)
+        row_valid = count_true(valid_mask, dim=1)  # (R,)
+        if not all_finite(row_advantages, row_valid > 0):
+            raise ValueError("advantages of selected responses contain non-finite values")
+        abs_advantages = row_advantages.abs()
+        keys = _ranking_keys(
+            entropy=entropy.detach(), rows=rows, abs_advantages=abs_advantages, valid_mask=valid_mask
         )
-        weights = keep.view(num_rows, num_cols).to(entropy.dtype)
 
-        num_valid = valid_mask.sum()
-        num_kept = keep.sum()
-        kept_score_sum = torch.where(keep, scores.reshape(-1), 0.0).sum()
+        num_selected = keys.shape[0]
+        if scope == "batch":
+            row_pools = torch.zeros(num_selected, dtype=torch.int64, device=keys.device)
+            num_pools = 1
+        elif scope == "group":
+            row_pools = group_ids.long() if rows is None else group_ids.long().index_select(0, rows)
+            num_pools = check_group_ids(row_pools)
+        else:
+            row_pools = torch.arange(num_selected, device=keys.device)
+            num_pools = num_selected
+        pool_valid = group_sum(row_valid, row_pools, num_pools)  # (U,)
+        num_keep = _num_tokens_to_keep(pool_valid, keep_ratio)
+        num_kept = num_keep.sum()
+        num_valid = pool_valid.sum()
+        if int(num_kept) == 0:
+            row_weights = keys.zero_()
+            kept_key_sum = torch.zeros((), dtype=torch.float64, device=keys.device)
+        else:
+            keep = None  # (R, T) bool, when a mask is needed at all
+            if num_pools == 1:
+                # Counts and the kept-key sum come from the candidates, not from more passes
+                # over the keys; every key tied with the threshold equals it, so the sum holds
+                # whichever of them the tie-break keeps.
+                threshold, candidates = _kth_largest(keys.view(-1), int(num_keep[0]))
+                row_thresholds = threshold.expand(num_selected)
+                above = candidates > threshold
+                kept_key_sum = (
+                    torch.where(above, candidates, 0.0).sum(dtype=torch.float64)
+                    + (num_kept - count_true(above)) * threshold.to(torch.float64)
+                )
+                straddle = not torch.equal(count_true(candidates >= threshold), num_kept)
+            else:
+                row_thresholds = _pool_thresholds(
+                    keys=keys, row_pools=row_pools, num_pools=num_pools, num_keep=num_keep
+                )[row_pools]  # (R,)
+                keep = keys >= row_thresholds[:, None]
+                straddle = not torch.equal(group_sum(count_true(keep, dim=1), row_pools, num_pools), num_keep)
+            if straddle:
+                keep = _break_ties(
+                    keys=keys, row_thresholds=row_thresholds, row_pools=row_pools,
+                    num_pools=num_pools, num_keep=num_keep, entropy=entropy.detach(), rows=rows,
+                    abs_advantages=abs_advantages,
+                )
+            if num_pools > 1:
+                kept_key_sum = torch.where(keep, keys, 0.0).sum(dtype=torch.float64)
+            if keep is None:
+                # The keys at or above the threshold are exactly the kept ones: the keys buffer
+                # becomes the 0/1 weights in place, with no mask in between.
+                row_weights = keys.ge_(row_thresholds[:, None])
+            else:
+                # A bool → float cast is slow; the uint8 view of the mask casts fast.
+                row_weights = keys.copy_(keep.view(torch.uint8))
+        row_weights = row_weights.to(entropy.dtype)  # (R, T)
+        if rows is None:
+            weights = row_weights
+        else:
+            weights = entropy.new_zeros(num_rows, num_cols).index_copy_(0, rows, row_weights)
     metrics: dict[str, float | torch.Tensor] = {
         "d3s/num_kept_tokens": num_kept,
         "d3s/num_valid_tokens": num_valid,
         "d3s/kept_token_ratio": num_kept / num_valid.clamp(min=1),
-        "d3s/kept_token_score_mean": (
-            kept_score_sum / num_kept if int(num_kept) else scores.new_zeros(())
-        ),
+        "d3s/kept_token_score_mean": kept_key_sum / num_kept.clamp(min=1),
     }
     return weights, metrics
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "all_finite",
     "broadcast",
     "check_group_ids",
+    "count_true",
     "group_counts",
     "group_max",
     "group_mean",
@@ -28,6 +30,9 @@ __all__ = [
     "group_std",
     "group_sum",
     "num_groups_of",
+    "positions_in_sorted_groups",
+    "run_min",
+    "run_sum",
 ]
 
 
@@ -132,3 +137,66 @@ def group_min(
 def broadcast(per_group: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Give every sample its group's value: ``(G, ...)`` → ``(S, ...)``."""
     return per_group[group_ids.long()]
+
+
+def positions_in_sorted_groups(sorted_group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """0-based position of each member inside its group, for ``group_ids`` already sorted.
+
+    ``sorted_group_ids`` ``(S,)`` must be non-decreasing (members of a group
+    contiguous, e.g. after a stable sort by group); returns int64 ``(S,)``.
+    """
+    counts = group_counts(sorted_group_ids, num_groups)  # (G,)
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.arange(sorted_group_ids.numel(), device=sorted_group_ids.device) - starts[sorted_group_ids.long()]
+
+
+def all_finite(values: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+    """Whether ``values`` is finite wherever ``mask`` is True (everywhere without a mask).
+
+    One ``aminmax`` decides the usual case (finite everywhere; NaN propagates to
+    both ends); only when it fails — padding may legitimately hold NaN or ±inf —
+    is the exact, masked check run. The fast path reads the tensor once and
+    allocates nothing, where ``isfinite(values).all()`` writes a bool tensor of
+    the input's size.
+    """
+    if values.numel() == 0:
+        return True
+    lowest, highest = torch.aminmax(values.detach())
+    if bool(torch.isfinite(lowest) & torch.isfinite(highest)):
+        return True
+    finite = torch.isfinite(values.detach())
+    if mask is not None:
+        finite = finite | ~mask
+    return bool(finite.all())
+
+
+def run_sum(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sums of consecutive runs: ``values`` ``(n,)`` split into runs of ``lengths`` ``(R,)`` → ``(R,)``.
+
+    For data already ordered by segment (e.g. the valid tokens of each row in
+    row-major order) this is one sequential pass, cheaper than the scattered
+    ``index_add`` of ``group_sum``. An empty run sums to 0. No gradient.
+    """
+    assert int(lengths.sum()) == values.numel(), "run lengths must cover values exactly"
+    if lengths.numel() == 0:
+        return values.new_zeros(0)
+    return torch.segment_reduce(values.detach(), "sum", lengths=lengths)
+
+
+def run_min(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Minima of consecutive runs, like ``run_sum``; an empty run gets +inf. No gradient."""
+    assert int(lengths.sum()) == values.numel(), "run lengths must cover values exactly"
+    if lengths.numel() == 0:
+        return values.new_zeros(0)
+    return torch.segment_reduce(values.detach(), "min", lengths=lengths)
+
+
+def count_true(mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """int64 number of True entries of a bool ``mask`` (along ``dim``).
+
+    Sums the uint8 view with an int32 accumulator: ``mask.sum()`` first copies
+    the mask to int64, which costs several times the count itself.
+    """
+    as_bytes = mask.view(torch.uint8)
+    counts = as_bytes.sum(dtype=torch.int32) if dim is None else as_bytes.sum(dim=dim, dtype=torch.int32)
+    return counts.long()

@@ -112,6 +112,6 @@ def token_weights(methods: Methods, *, advantages: torch.Tensor, entropy: torch.
         w, m = fn(advantages=advantages, entropy=entropy, logprobs=logprobs, response_mask=token_mask,
                   group_ids=group_ids, **extra)
         weights = weights * w
-        token_mask = token_mask & (w > 0)
+        token_mask = token_mask & w.bool()  # weights are non-negative: non-zero means kept
         metrics.update(m)
     return weights, token_mask, metrics

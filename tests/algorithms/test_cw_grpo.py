@@ -79,7 +79,9 @@ def test_matches_loop_reference(scope, seed):
     mask = torch.arange(num_cols)[None, :] < lengths[:, None]
     logprobs = torch.where(mask, logprobs, torch.tensor(float("-inf"), dtype=torch.float64))
     group_ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    logprobs_before = logprobs.clone()
     weights, _ = call(advantages, logprobs, mask, group_ids, scope)
+    assert torch.equal(logprobs, logprobs_before)
     expected = reference_weights(
         advantages.tolist(), logprobs.tolist(), mask.tolist(), group_ids.tolist(), scope
     )

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.algorithms.d3s import (
-    _single_unit_topk_mask,
+    _BRACKET_MIN_POOL,
+    _BRACKET_SAMPLE_SIZE,
+    _kth_largest,
     D3S_VARIANTS,
     D3SSchedule,
     d3s_cross_select,
@@ -503,20 +505,118 @@ def test_registered():
     assert TOKEN_WEIGHTS.get("d3s_topk") is d3s_topk_token_weights
 
 
-@settings(max_examples=200, deadline=None)
+def stable_sort_topk(scores: torch.Tensor, valid: torch.Tensor, keep_ratio: float) -> torch.Tensor:
+    """One pool: the ceil(K·n) highest float64 scores, ties to the lower index, by a stable sort."""
+    num_valid = int(valid.sum())
+    num_keep = min(num_valid, max(1, math.ceil(num_valid * keep_ratio - 1e-6))) if num_valid else 0
+    ranked = torch.where(valid, scores.to(torch.float64), torch.tensor(float("-inf"), dtype=torch.float64))
+    reference = torch.zeros_like(valid)
+    reference[torch.sort(ranked, descending=True, stable=True).indices[:num_keep]] = True
+    return reference
+
+
+@settings(max_examples=100, deadline=None)
 @given(
     values=st.lists(st.integers(0, 4), min_size=1, max_size=120),
     valid_bits=st.lists(st.booleans(), min_size=120, max_size=120),
     keep_ratio=st.floats(0.01, 1.0),
+    scope=st.sampled_from(["batch", "group", "sample"]),
 )
-def test_single_pool_selection_equals_stable_sort_reference(values, valid_bits, keep_ratio):
-    """The O(n) batch-scope path picks exactly the stable-sort top-K (ties → lower index)."""
-    scores = torch.tensor(values, dtype=torch.float64)  # many ties on purpose
-    valid = torch.tensor(valid_bits[: len(values)])
-    fast = _single_unit_topk_mask(scores=scores, valid_mask=valid, keep_ratio=keep_ratio)
-    num_valid = int(valid.sum())
-    num_keep = min(num_valid, max(1, math.ceil(num_valid * keep_ratio - 1e-6))) if num_valid else 0
-    ranked = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
-    reference = torch.zeros_like(valid)
-    reference[torch.sort(ranked, descending=True, stable=True).indices[:num_keep]] = True
-    assert torch.equal(fast, reference)
+def test_selection_equals_stable_sort_reference_with_many_ties(values, valid_bits, keep_ratio, scope):
+    """Ties in the key go to the lower flat index, in every pool layout."""
+    num_cols = 4
+    values = values + [0] * (-len(values) % num_cols)
+    entropy = torch.tensor(values, dtype=torch.float32).view(-1, num_cols)  # many ties on purpose
+    valid = torch.tensor(valid_bits[: entropy.numel()]).view_as(entropy)
+    num_rows = entropy.shape[0]
+    group_ids = torch.arange(num_rows) // 2
+    weights, _ = d3s_topk_token_weights(
+        advantages=torch.ones(num_rows), entropy=entropy, logprobs=None, response_mask=valid,
+        group_ids=group_ids, keep_ratio=keep_ratio, scope=scope,
+    )
+    pools = {"batch": torch.zeros(num_rows, dtype=torch.int64), "group": group_ids,
+             "sample": torch.arange(num_rows)}[scope]
+    for pool in pools.unique():
+        rows = pools == pool
+        expected = stable_sort_topk(entropy[rows].flatten(), valid[rows].flatten(), keep_ratio)
+        assert torch.equal(weights[rows].flatten().bool(), expected)
+
+
+def test_float32_rounding_ties_are_ranked_by_the_float64_key():
+    # Row 1's key |A|·H is larger than row 0's in float64 but both round to the same
+    # float32 value; ranking on float32 keys with index tie-breaking would keep row 0.
+    x = torch.tensor(3.0, dtype=torch.float32)
+    a = torch.tensor(3.0 / 1.7, dtype=torch.float32)
+    h = (x / a).reshape(1)
+    found = None
+    for _ in range(64):
+        exact = h.double() * a.double()
+        if float(h * a) == float(x) and float(exact) > float(x):
+            found = h.clone()
+            break
+        h = torch.nextafter(h, torch.tensor([10.0]))
+    assert found is not None
+    entropy = torch.stack([x.reshape(1), found], 0)  # (2, 1)
+    weights, _ = d3s_topk_token_weights(
+        advantages=torch.stack([torch.tensor(1.0), a]), entropy=entropy, logprobs=None,
+        response_mask=torch.ones(2, 1, dtype=torch.bool), group_ids=torch.zeros(2, dtype=torch.int64),
+        keep_ratio=0.5,
+    )
+    assert weights.flatten().tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("layout", ["random", "ties", "strided_outliers"])
+def test_kth_largest_on_large_pools_equals_sorting(layout, monkeypatch):
+    """The sampled bracket never changes the answer, also when the sample is fooled."""
+    gen = torch.Generator().manual_seed(4)
+    num_values = 2 * _BRACKET_MIN_POOL
+    if layout == "random":
+        values = torch.rand(num_values, generator=gen)
+    elif layout == "ties":
+        values = torch.randint(0, 7, (num_values,), generator=gen).float()
+    else:  # every stride-th entry is huge: the sample sees only outliers
+        values = torch.rand(num_values, generator=gen)
+        values[:: (num_values // _BRACKET_SAMPLE_SIZE) | 1] = 100.0
+    values[torch.rand(num_values, generator=gen) < 0.3] = float("-inf")  # padding
+    num_finite = int(torch.isfinite(values).sum())
+    descending = torch.sort(values, descending=True).values
+    selected_sizes = []
+    kthvalue = torch.kthvalue
+    monkeypatch.setattr(torch, "kthvalue", lambda x, k: selected_sizes.append(x.numel()) or kthvalue(x, k))
+    for k in (1, 7, num_finite // 10, num_finite // 2, num_finite):
+        selected_sizes.clear()
+        kth, candidates = _kth_largest(values, k)
+        assert float(kth) == float(descending[k - 1])
+        # The candidates hold every entry at or above the answer.
+        assert int((candidates >= kth).sum()) == int((values >= kth).sum())
+        # Random data: the exact selection sees a few percent of the pool; a fooled sample
+        # (k beyond the outliers) falls back to the whole pool.
+        if layout == "random" and 10 <= k < num_finite:
+            assert max(selected_sizes) < num_values // 10
+        if layout == "strided_outliers" and k == num_finite // 2:
+            assert max(selected_sizes) == num_values
+
+
+def test_large_batch_pool_matches_stable_sort_reference():
+    """Batch scope over > 65k tokens (the bracketed selection) with float32 ties."""
+    gen = torch.Generator().manual_seed(9)
+    num_rows, num_cols = 2 * _BRACKET_MIN_POOL // 1024, 1024
+    entropy = (torch.randint(0, 50, (num_rows, num_cols), generator=gen) / 16).float()
+    advantages = torch.randint(-3, 4, (num_rows,), generator=gen).float() / 3
+    lengths = torch.randint(0, num_cols + 1, (num_rows,), generator=gen)
+    mask = torch.arange(num_cols)[None, :] < lengths[:, None]
+    keep_rows = torch.rand(num_rows, generator=gen) < 0.7
+    entropy_before = entropy.clone()
+    for keep_ratio in (0.05, 0.2, 0.5):
+        weights, metrics = d3s_topk_token_weights(
+            advantages=advantages, entropy=entropy, logprobs=None, response_mask=mask,
+            group_ids=torch.zeros(num_rows, dtype=torch.int64), keep_ratio=keep_ratio,
+            sample_keep_mask=keep_rows,
+        )
+        valid = mask & keep_rows[:, None]
+        scores = entropy.double() * advantages.double().abs()[:, None]
+        expected = stable_sort_topk(scores.flatten(), valid.flatten(), keep_ratio).view_as(valid)
+        assert torch.equal(weights.bool(), expected)
+        assert int(metrics["d3s/num_kept_tokens"]) == int(expected.sum())
+        assert float(metrics["d3s/kept_token_score_mean"]) == pytest.approx(float(scores[expected].mean()))
+    assert torch.equal(entropy, entropy_before)  # the keys are computed in a buffer of their own

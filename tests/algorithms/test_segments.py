@@ -119,3 +119,38 @@ def test_check_group_ids_rejects_bad_input():
         segments.check_group_ids(torch.zeros(2, 2, dtype=torch.int64))
     assert segments.check_group_ids(torch.tensor([2, 0])) == 3
     assert segments.check_group_ids(torch.zeros(0, dtype=torch.int64)) == 0
+
+
+def test_count_true_matches_sum():
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(7, 300, generator=gen) < 0.3
+    assert torch.equal(segments.count_true(mask, dim=1), mask.sum(dim=1))
+    assert int(segments.count_true(mask)) == int(mask.sum())
+    assert segments.count_true(mask).dtype == torch.int64
+    # A strided view (a column slice) counts the same.
+    assert torch.equal(segments.count_true(mask[:, ::3], dim=1), mask[:, ::3].sum(dim=1))
+
+
+def test_all_finite_fast_path_and_masked_fallback():
+    values = torch.tensor([[0.5, -2.0, float("nan")], [1.0, float("inf"), 3.0]])
+    assert not segments.all_finite(values)
+    padding_ok = torch.tensor([[True, True, False], [True, False, True]])
+    assert segments.all_finite(values, padding_ok)  # non-finite only under padding
+    assert not segments.all_finite(values, torch.ones(2, 3, dtype=torch.bool))
+    assert segments.all_finite(torch.zeros(0))
+    assert segments.all_finite(torch.tensor([-float("inf")]), torch.tensor([False]))
+    assert not segments.all_finite(torch.tensor([1.0, -float("inf")]))
+
+
+def test_runs_and_positions_against_loops():
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([3, 0, 1, 4])
+    values = torch.randn(int(lengths.sum()), generator=gen, dtype=torch.float64)
+    chunks = torch.split(values, lengths.tolist())
+    assert torch.allclose(segments.run_sum(values, lengths),
+                          torch.stack([c.sum() for c in chunks]), rtol=0, atol=1e-12)
+    expected_min = [float(c.min()) if c.numel() else float("inf") for c in chunks]
+    assert segments.run_min(values, lengths).tolist() == expected_min
+    assert segments.run_sum(values[:0], torch.zeros(0, dtype=torch.int64)).numel() == 0
+    sorted_ids = torch.tensor([0, 0, 0, 2, 2, 3])
+    assert segments.positions_in_sorted_groups(sorted_ids, 4).tolist() == [0, 1, 2, 0, 1, 0]
