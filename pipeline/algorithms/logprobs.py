@@ -9,7 +9,13 @@ by every chunk, and saves only ``O(N)`` statistics; backward recomputes each
 chunk's logits into the same kind of buffer and turns them, in place, into the
 logit gradient. The price is one extra ``(chunk × H × V)`` matmul per chunk in
 backward (measured on CPU it is more than repaid by not touching the
-materialized tensors: tools/bench/logprobs_memory.py).
+materialized tensors: tools/bench/logprobs_memory.py). When one chunk covers
+every token and a backward will follow, forward keeps its buffer (the shifted
+logits) for backward instead: the working set stays one buffer, it just lives
+until backward, and the recomputing matmul (a quarter of the head's matmul
+work) disappears. On the actor's micro-batches nothing else is allocated in
+between (the head's backward is the first of the micro-batch), so the peak
+does not move.
 
 Math, with ``z = h Wᵀ / τ``, ``logZ = logsumexp(z)``, ``p = softmax(z)``:
 
@@ -103,6 +109,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         vocab_start: int,
         reducer: Reducer,
         compute_entropy: bool,
+        keep_single_chunk: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = hidden.shape[0]
         vocab_local = weight.shape[0]
@@ -153,6 +160,10 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             target_shifted[rows] = totals[0]
             if compute_entropy:
                 entropy[rows] = chunk_log_sum - totals[2] / totals[1]
+        # A single chunk's buffer now holds z − m for every token: backward's starting point.
+        # Kept as a ctx attribute, not a saved tensor, because backward consumes it in place;
+        # a second backward through a retained graph finds None and recomputes.
+        ctx.kept_work = work if keep_single_chunk and num_tokens <= work.rows_per_chunk else None
         del work
 
         logprobs = target_shifted - log_sum
@@ -186,16 +197,23 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
 
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # Accumulated over chunks, so kept in at least float32 until the end.
-        grad_weight = torch.zeros(weight.shape, dtype=stats_dtype, device=weight.device) if need_weight else None
-        work = _working_buffer(hidden, num_tokens=num_tokens, chunk_size=ctx.chunk_size, vocab_local=vocab_local)
+        # The first chunk writes it, the others accumulate; without tokens it stays zero.
+        allocate = torch.empty if num_tokens else torch.zeros
+        grad_weight = allocate(weight.shape, dtype=stats_dtype, device=weight.device) if need_weight else None
+        work, kept = ctx.kept_work, ctx.kept_work is not None
+        ctx.kept_work = None
+        if not kept:
+            work = _working_buffer(hidden, num_tokens=num_tokens, chunk_size=ctx.chunk_size, vocab_local=vocab_local)
         slice_rows = work.scratch.shape[0]
         for start in range(0, num_tokens, work.rows_per_chunk):
             stop = min(start + work.rows_per_chunk, num_tokens)
             rows = slice(start, stop)
             num_rows = stop - start
             hidden_chunk = hidden[rows]  # (c, H)
-            block = _chunk_logits(hidden_chunk, weight, inv_temperature, work.logits[:num_rows])  # (c, V_local)
-            block.sub_(shift[rows, None])  # z − m
+            block = work.logits[:num_rows]  # (c, V_local)
+            if not kept:
+                _chunk_logits(hidden_chunk, weight, inv_temperature, block)
+                block.sub_(shift[rows, None])  # z − m
             for part in _row_slices(num_rows, slice_rows):
                 token_rows = slice(start + part.start, start + part.stop)
                 log_probs = block[part].sub_(log_sum[token_rows, None])  # (r, V_local) log p, a view
@@ -221,11 +239,14 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 scaled_hidden = hidden_chunk.to(stats_dtype)
                 if inv_temperature != 1.0:
                     scaled_hidden = scaled_hidden * inv_temperature
-                grad_weight.addmm_(block.t(), scaled_hidden)
+                if start == 0:
+                    torch.mm(block.t(), scaled_hidden, out=grad_weight)
+                else:
+                    grad_weight.addmm_(block.t(), scaled_hidden)
         del work
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def token_logprobs_and_entropy(
@@ -249,7 +270,10 @@ def token_logprobs_and_entropy(
     set, in forward and in backward, is one ``(chunk_size, V_local)`` buffer:
     ``chunk_size − max(1, chunk_size // 16)`` rows of logits per chunk plus
     scratch rows for the elementwise passes (a bf16 weight adds the transient
-    bf16 matmul output, half a block). ``temperature`` divides the logits, as
+    bf16 matmul output, half a block). When every token fits in one chunk and a
+    backward will follow, that buffer lives from forward to backward and
+    backward skips recomputing the logits; size ``chunk_size`` to cover a
+    micro-batch where that memory is affordable. ``temperature`` divides the logits, as
     in sampling, so the log-probs match the distribution the rollout engine
     sampled from.
 
@@ -283,6 +307,7 @@ def token_logprobs_and_entropy(
         vocab_start,
         reducer,
         compute_entropy,
+        torch.is_grad_enabled() and (hidden.requires_grad or output_weight.requires_grad),
     )
     return TokenLogprobs(logprobs, entropy if compute_entropy else None)
 

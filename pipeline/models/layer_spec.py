@@ -3,11 +3,12 @@
 ``select_layer_spec`` picks the Transformer Engine spec only when
 ``transformer_engine`` imports *and* CUDA is present; otherwise it builds an
 explicit local spec from megatron-core's own modules (torch ``RMSNorm`` via
-``WrappedTorchNorm``, ``ColumnParallelLinear``/``RowParallelLinear``,
-``DotProductAttention``). The local spec is assembled here rather than taken
-from ``get_gpt_layer_local_spec`` because that function (and
-``TransformerBlock`` for a bare layer spec) picks TE's norm whenever TE is
-installed, which cannot run without CUDA. The final norm is chosen alongside
+``WrappedTorchNorm``, ``ColumnParallelLinear``/``RowParallelLinear``) and
+``SDPADotProductAttention`` (megatron's ``DotProductAttention`` computed by
+torch's fused ``scaled_dot_product_attention``, see ``local_modules``). The
+local spec is assembled here rather than taken from ``get_gpt_layer_local_spec``
+because that function (and ``TransformerBlock`` for a bare layer spec) picks
+TE's norm whenever TE is installed, which cannot run without CUDA. The final norm is chosen alongside
 (``final_norm_module``) for the same reason.
 
 The decision is returned as a ``LayerSpecChoice`` whose ``to_dict()`` goes into
@@ -29,7 +30,6 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -37,6 +37,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from pipeline.models.local_modules import SDPADotProductAttention
 from pipeline.models.spec import ModelSpec
 
 __all__ = [
@@ -138,7 +139,7 @@ def te_layer_spec() -> ModuleSpec:
 
 
 def local_layer_spec() -> ModuleSpec:
-    """A pre-norm decoder layer from megatron-core's local (non-TE) modules, torch RMSNorm."""
+    """A pre-norm decoder layer from megatron-core's local (non-TE) modules, torch RMSNorm, SDPA attention."""
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -148,7 +149,7 @@ def local_layer_spec() -> ModuleSpec:
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
+                    core_attention=SDPADotProductAttention,
                     linear_proj=RowParallelLinear,
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,

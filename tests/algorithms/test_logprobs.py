@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 
@@ -216,11 +217,13 @@ def _run_ranks(hidden_leaf, shards, vocab_starts, targets, *, temperature=1.0, c
 
 @pytest.mark.parametrize("boundaries", [(0, 26, 53), (0, 10, 53), (0, 20, 35, 53)])
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
-def test_vocab_sharded_equals_unsharded(boundaries, temperature):
+@pytest.mark.parametrize("chunk_size", [8, 64], ids=["chunks", "one-chunk"])
+def test_vocab_sharded_equals_unsharded(boundaries, temperature, chunk_size):
     hidden, weight, targets, g_lp, g_h = _inputs(29, 8, 53, scale=2.0)
     hidden_leaf = hidden.clone().requires_grad_()  # shared: partial hidden grads add up, as TP's all-reduce does
     shards = [weight[a:b].clone().requires_grad_() for a, b in zip(boundaries, boundaries[1:])]
-    outputs, errors, group = _run_ranks(hidden_leaf, shards, boundaries[:-1], targets, temperature=temperature)
+    outputs, errors, group = _run_ranks(hidden_leaf, shards, boundaries[:-1], targets, temperature=temperature,
+                                        chunk_size=chunk_size)
     assert errors == [None] * len(shards)
     for result in outputs:  # every rank's loss, from its replicated outputs
         (result.logprobs * g_lp + result.entropy * g_h).sum().backward()
@@ -287,6 +290,55 @@ def test_forward_and_backward_allocate_one_block_each():
         reference = logprobs_from_logits((hidden @ weight.t())[None], targets[None])
         (reference.logprobs * g_lp + reference.entropy * g_h).sum().backward()
     assert sum(size >= num_tokens * vocab * 4 for size in recorder.sizes) >= 3
+
+
+class _OpCounts(TorchDispatchMode):
+    """Counts aten ops by name (``mm``, ``addmm``...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_single_chunk_keeps_its_logits_for_backward():
+    # 60 tokens fill the 64 − 64 // 16 logit rows of one chunk exactly.
+    num_tokens, hidden_size, vocab, chunk_size = 60, 16, 1000, 64
+    block_bytes = chunk_size * vocab * 4
+    hidden, weight, targets, g_lp, g_h = _inputs(num_tokens, hidden_size, vocab, dtype=torch.float32)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    with _NewAllocations() as forward_allocations, _OpCounts() as forward_ops:
+        result = token_logprobs_and_entropy(hidden=hidden, output_weight=weight, targets=targets, chunk_size=chunk_size)
+    with _NewAllocations() as backward_allocations, _OpCounts() as backward_ops:
+        (result.logprobs * g_lp + result.entropy * g_h).sum().backward()
+    assert [size for size in forward_allocations.sizes if size > block_bytes // 4] == [block_bytes]
+    assert max(backward_allocations.sizes) == weight.numel() * 4  # the weight gradient; no logits block
+    # One logits matmul in forward; backward only the two gradient matmuls, no recomputation.
+    assert (forward_ops.counts["mm"], backward_ops.counts["mm"], backward_ops.counts["addmm"]) == (1, 2, 0)
+
+    expected = _reference(hidden, weight, targets, 1.0, g_lp, g_h)
+    got = (result.logprobs.detach(), result.entropy.detach(), hidden.grad, weight.grad)
+    for actual, reference in zip(got, expected):
+        torch.testing.assert_close(actual.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 1000], ids=["chunks", "one-chunk"])
+def test_backward_through_a_retained_graph_twice(chunk_size):
+    # The kept buffer is consumed by the first backward; the second one recomputes.
+    hidden, weight, targets, g_lp, g_h = _inputs(13, 5, 17, scale=2.0)
+    hidden_leaf, weight_leaf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    result = token_logprobs_and_entropy(hidden=hidden_leaf, output_weight=weight_leaf, targets=targets,
+                                        chunk_size=chunk_size)
+    loss = (result.logprobs * g_lp + result.entropy * g_h).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    _, _, ref_hidden_grad, ref_weight_grad = _reference(hidden, weight, targets, 1.0, g_lp, g_h)
+    torch.testing.assert_close(hidden_leaf.grad, 2 * ref_hidden_grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(weight_leaf.grad, 2 * ref_weight_grad, rtol=1e-10, atol=1e-12)
 
 
 # ---------------------------------------------------------------- materialized logits helper

@@ -174,6 +174,46 @@ def test_non_finite_loss_skips_the_step_and_leaves_weights_untouched():
     assert after_loss == after_loss  # finite again
 
 
+def _infinite_gradient_worker(rank, world_size):
+    from pipeline.trainer.losses import CrossEntropyLoss
+
+    class InfiniteGradient(CrossEntropyLoss):
+        """A finite loss whose gradient overflows on the second call."""
+
+        calls = 0
+
+        def __call__(self, *, logprobs, **kwargs):
+            InfiniteGradient.calls += 1
+            if InfiniteGradient.calls == 2:
+                logprobs.register_hook(lambda grad: grad * float("inf"))
+            return super().__call__(logprobs=logprobs, **kwargs)
+
+    actor = _actor(1, 1, micro_batch_tokens=10_000)
+    loss = InfiniteGradient()
+    actor.train_step(_batch(), loss)
+    before = {k: v.clone() for k, v in actor.module.state_dict().items() if not k.endswith("_extra_state")}
+    poisoned = actor.train_step(_batch(), loss)
+    unchanged = all(torch.equal(before[k], v) for k, v in actor.module.state_dict().items() if k in before)
+
+    # The check itself, on hand-set gradients: +inf and −inf in different tensors sum to NaN.
+    params = [p for p in actor.model.parameters() if getattr(p, "main_grad", None) is not None]
+    verdicts = []
+    for poison in ({}, {0: float("inf")}, {0: float("inf"), 1: float("-inf")}, {1: float("nan")}):
+        for param in params:
+            param.main_grad.normal_()
+        for index, value in poison.items():
+            params[index].main_grad.view(-1)[3] = value
+        verdicts.append(actor._grads_finite())
+    return poisoned.loss, poisoned.skipped, unchanged, verdicts
+
+
+def test_non_finite_gradient_of_a_finite_loss_skips_the_step():
+    loss, skipped, unchanged, verdicts = run_distributed(_infinite_gradient_worker, world_size=1)[0]
+    assert loss == loss and abs(loss) < float("inf")
+    assert skipped and unchanged
+    assert verdicts == [True, False, False, False]
+
+
 def _direction_worker(rank, world_size):
     from pipeline.trainer.losses import PolicyLoss
 
