@@ -332,23 +332,48 @@ GROUPS: dict[str, tuple[str, list[Command]]] = {
 }
 
 
+class WinnowParser(argparse.ArgumentParser):
+    """The top-level parser: a command's ``KEY=VALUE`` overrides may come before, between and after its options.
+
+    argparse fills a trailing ``nargs="*"`` positional from the first run of positionals
+    only, so ``rl --config x.yaml a=1`` would leave ``a=1`` unrecognized. Here the
+    command's own parser re-reads its words with ``parse_intermixed_args``, which collects
+    them all (that method refuses parsers with subcommands, hence the two steps).
+    """
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+                   ) -> argparse.Namespace:
+        words = list(sys.argv[1:] if args is None else args)
+        found, _ = self.parse_known_args(words)  # picks the command; a bad or missing one exits here
+        # Neither this parser nor a group's takes options: a command's words follow its name.
+        depth = 1 if found.group in {command.name for command in _top_level_commands()} else 2
+        parsed = namespace or argparse.Namespace()
+        parsed.group, parsed.command = found.group, getattr(found, "command", None)
+        return found.command_parser.parse_intermixed_args(words[depth:], namespace=parsed)
+
+
+def _top_level_commands() -> list[Command]:
+    return [*STAGES, *_stage_commands_with_own_arguments()]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = WinnowParser(
         prog="winnow",
         description="RL post-training for reasoning LLMs: curate → train estimator → RL → evaluate → export.",
     )
-    groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
-    for command in [*STAGES, *_stage_commands_with_own_arguments()]:
+    groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True,
+                                   parser_class=argparse.ArgumentParser)
+    for command in _top_level_commands():
         command_parser = groups.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(command_parser)
-        command_parser.set_defaults(handler=command.run)
+        command_parser.set_defaults(handler=command.run, command_parser=command_parser)
     for group_name, (group_help, commands) in GROUPS.items():
         group_parser = groups.add_parser(group_name, help=group_help, description=group_help)
         sub = group_parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
         for command in commands:
             command_parser = sub.add_parser(command.name, help=command.help, description=command.help)
             command.add_arguments(command_parser)
-            command_parser.set_defaults(handler=command.run)
+            command_parser.set_defaults(handler=command.run, command_parser=command_parser)
     return parser
 
 
@@ -357,8 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for pattern in BENIGN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
     except (UserError, FileNotFoundError) as error:

@@ -142,8 +142,11 @@ class TrainerConfig:
     micro_batch_tokens: int = option(
         8192, ge=1, help="padded tokens per micro-batch; rows are grouped by length up to this budget"
     )
-    logprob_chunk_size: int = option(
-        1024, ge=2, help="tokens per chunk of the vocab-parallel log-prob/entropy head"
+    logprob_chunk_size: int | None = option(
+        None, ge=2, help="tokens per chunk of the vocab-parallel log-prob/entropy head (null: from logprob_buffer_mib)"
+    )
+    logprob_buffer_mib: int = option(
+        256, ge=1, help="float32 logits buffer of the head; a micro-batch that fits one chunk skips the backward recompute"
     )
     max_skipped_steps: int = option(
         3, ge=0, help="consecutive non-finite steps tolerated before the run stops with an error"

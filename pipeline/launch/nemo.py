@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import nemo_run as run
+from nemo_run.config import RUNDIR_NAME
 
 from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import CampaignPlan, CampaignResult, CampaignStatus, Stage
 from pipeline.launch.slurm_profiles import SlurmProfile, parse_slurm_time
 
 REPO = Path(__file__).resolve().parents[2]
+EXPERIMENTS_DIR = "launch"  # nemo-run's experiment folders inside a campaign's output directory
 MASTER_PORT = 29500
 # torchrun handles SIGTERM, SIGINT, SIGHUP and SIGQUIT by default; SIGUSR1 (SLURM's warning
 # before the time limit) would kill it while its ranks checkpoint. Handled, it is forwarded.
@@ -139,7 +141,10 @@ def slurm_executor(stage: Stage, *, profile: SlurmProfile, plan_name: str, exper
     """A SlurmExecutor for one stage's job, bounded by what the profile's nodes offer.
 
     A local tunnel submits the scripts nemo-run writes under ``experiments_dir`` as they
-    are (nothing is copied: the launcher and the nodes share that filesystem).
+    are (nothing is copied: the launcher and the nodes share that filesystem). Its
+    ``job_dir`` is ``<experiments_dir>/experiments``: nemo-run appends ``<title>/<id>``
+    when the executor joins the experiment, which makes it the experiment folder itself.
+    That append is not idempotent, so every executor gets a tunnel of its own.
     """
     resources = stage.resources
     if resources.total_nodes > profile.nodes:
@@ -177,7 +182,7 @@ def slurm_executor(stage: Stage, *, profile: SlurmProfile, plan_name: str, exper
         additional_parameters=additional,
         setup_lines=SLURM_SETUP_LINES,
         retries=resources.requeues,
-        tunnel=CampaignTunnel(job_dir=str(experiments_dir / "experiments"))
+        tunnel=run.LocalTunnel(job_dir=str(experiments_dir / "experiments"))
         if profile.tunnel.kind == "local" else run.SSHTunnel(
             host=profile.tunnel.host, user=profile.tunnel.user, job_dir=profile.tunnel.job_dir,
             identity=profile.tunnel.identity, **({"port": profile.tunnel.port} if profile.tunnel.port else {})),
@@ -186,20 +191,6 @@ def slurm_executor(stage: Stage, *, profile: SlurmProfile, plan_name: str, exper
     if profile.account is None:
         executor.account = None  # no --account flag; the job name prefix above stands in for it
     return executor
-
-
-class CampaignTunnel(run.LocalTunnel):
-    """nemo-run's LocalTunnel, with its job directory set once per experiment.
-
-    ``LocalTunnel._set_job_dir`` appends ``<title>/<experiment id>`` every time an executor
-    is assigned, and ``Experiment.run`` assigns again (it dry-runs first) and shares one
-    tunnel between tasks: the sbatch scripts would name directories that do not exist.
-    """
-
-    def _set_job_dir(self, experiment_id: str) -> None:
-        title = experiment_id.rpartition("_")[0]
-        if not self.job_dir.endswith(os.path.join(title, experiment_id)):
-            self.job_dir = os.path.join(self.job_dir, title, experiment_id)
 
 
 # ================================================================ launching
@@ -212,7 +203,7 @@ class LaunchOptions:
     dryrun: bool = False
     wait: bool = True  # SLURM: follow the jobs until every stage is final
     poll_s: float = 10.0
-    experiments_dir: Path | None = None  # nemo-run's experiment folders (null: <campaign>/nemo_run)
+    experiments_dir: Path | None = None  # nemo-run's experiment folders (null: <campaign>/launch)
 
 
 def _python_and_workdir(options: LaunchOptions) -> tuple[str, str]:
@@ -245,7 +236,7 @@ def launch_campaign(plan: CampaignPlan, *, options: LaunchOptions, out: Callable
     skipped = tuple(stage.name for stage in plan.stages if states.get(stage.name) == "done")
     for name in skipped:
         out(f"{name}: done before, skipped")
-    experiments_dir = options.experiments_dir or plan.output_dir / "nemo_run"
+    experiments_dir = options.experiments_dir or plan.output_dir / EXPERIMENTS_DIR
     if options.executor == "local":
         return _launch_local(plan, pending, skipped=skipped, options=options, experiments_dir=experiments_dir, out=out)
     assert options.profile is not None, "a SLURM launch needs a cluster profile"
@@ -294,8 +285,11 @@ def _launch_slurm(plan, pending: list[Stage], *, skipped, options, experiments_d
     profile = options.profile
     if profile.slurm_conf is not None:
         os.environ["SLURM_CONF"] = profile.slurm_conf  # sbatch, scontrol and scancel run from this process
+    _refuse_rundir_paths(plan, options=options, experiments_dir=experiments_dir)
     handles: dict[str, Any] = {}
-    with run.Experiment(plan.name, base_dir=str(experiments_dir), log_level="WARN") as exp:
+    # Its status table at exit asks sacct, which clusters without accounting (the dev cluster) lack;
+    # follow_slurm_jobs asks scontrol instead.
+    with run.Experiment(plan.name, base_dir=str(experiments_dir), log_level="WARN", skip_status_at_exit=True) as exp:
         pending_names = {stage.name for stage in pending}
         for stage in pending:
             # Done parents need no dependency: their outputs are already there.
@@ -315,6 +309,30 @@ def _launch_slurm(plan, pending: list[Stage], *, skipped, options, experiments_d
     if not options.wait:
         return CampaignResult(states={s.name: status.state(s.name) for s in plan.stages}, skipped=skipped, blocked=())
     return follow_slurm_jobs(plan, job_ids, skipped=skipped, poll_s=options.poll_s, out=out)
+
+
+def _refuse_rundir_paths(plan: CampaignPlan, *, options: LaunchOptions, experiments_dir: Path) -> None:
+    """ConfigError when a path the SLURM job sees contains ``/nemo_run``.
+
+    nemo-run's SLURM scripts name the job folder ``/nemo_run`` (the container mount point)
+    and, without a container, rewrite every ``/nemo_run`` substring of the sbatch script
+    and of the stage scripts into the job folder (``SlurmBatchRequest.materialize``,
+    ``Script.to_command``): ``/runs/nemo_run/x`` would become a path that does not exist
+    and the job would die before its task starts. The stage scripts name only the paths
+    checked here (the stage configs travel in ``campaign.json``).
+    """
+    marker = f"/{RUNDIR_NAME}"
+    profile = options.profile
+    assert profile is not None
+    python, workdir = _python_and_workdir(options)
+    named = {"the campaign output_dir": str(plan.output_dir), "the experiments folder": str(experiments_dir),
+             "the profile's python": python, "the profile's workdir": workdir,
+             "the profile's tunnel.job_dir": profile.tunnel.job_dir or "",
+             **{f"the profile's env.{key}": value for key, value in profile.env.items()}}
+    for what, path in named.items():
+        if marker in path:
+            raise ConfigError(f"{what} {path!r} contains {marker!r}, which nemo-run rewrites in SLURM scripts; "
+                              "use another folder name")
 
 
 def _job_id(handle: str) -> int:

@@ -72,7 +72,7 @@ class TunnelProfile:
     )
     job_dir: str | None = option(
         None,
-        help="ssh tunnels: cluster-side directory for job scripts and logs (local tunnels use <campaign>/nemo_run)",
+        help="ssh tunnels: cluster-side directory for job scripts and logs (local tunnels use <campaign>/launch)",
     )
     host: str | None = option(None, help="ssh: login node host name")
     user: str | None = option(None, help="ssh: user name on the login node")

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -64,14 +65,19 @@ def rollout_urls(stage: Stage, *, hosts: Sequence[str]) -> list[str]:
             for index in range(rollout.servers_per_node)]
 
 
-def sglang_server_commands(stage: Stage, *, python: str = sys.executable) -> list[list[str]]:
-    """One ``sglang.launch_server`` command per server of a rollout node, on disjoint GPUs."""
+def sglang_server_commands(stage: Stage, *, host: str, python: str = sys.executable) -> list[list[str]]:
+    """One ``sglang.launch_server`` command per server of a rollout node, on disjoint GPUs.
+
+    Servers bind ``host``, the node's own name — the address in the URLs the trainer
+    uses — not every interface: SGLang's admin endpoints (weight loading, memory release)
+    have no authentication.
+    """
     rollout = stage.resources.rollout
     assert rollout is not None
     cfg = stage.config
     return [
         [python, "-m", "sglang.launch_server", "--model-path", cfg.policy,
-         "--tokenizer-path", cfg.tokenizer or cfg.policy, "--host", "0.0.0.0", "--port", str(rollout.port + index),
+         "--tokenizer-path", cfg.tokenizer or cfg.policy, "--host", host, "--port", str(rollout.port + index),
          "--tp-size", str(rollout.tensor_parallel), "--base-gpu-id", str(index * rollout.tensor_parallel),
          *rollout.extra_args]
         for index in range(rollout.servers_per_node)
@@ -241,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role == "worker":
         return run_worker(stage)
     if args.role == "serve":
-        return serve(sglang_server_commands(stage), done_marker=_done_marker(plan, stage), token=_attempt_token())
+        return serve(sglang_server_commands(
+            stage, host=os.environ.get("SLURMD_NODENAME") or socket.gethostname()), done_marker=_done_marker(plan, stage), token=_attempt_token())
     return run_node(plan, stage, launcher=launcher)
 
 

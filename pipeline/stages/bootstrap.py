@@ -45,10 +45,17 @@ class BootstrapResult:
     summary: dict
 
 
+# Trainer options that change speed, memory or failure handling but not what is learned:
+# a cached policy stays valid when they change.
+_UNHASHED_TRAINER_OPTIONS = ("logprob_chunk_size", "logprob_buffer_mib", "old_logprobs", "max_skipped_steps")
+
+
 def config_hash(cfg: BootstrapConfig) -> str:
     data = configlib.to_dict(cfg)
     data.pop("cache_dir")
     data.pop("progress")
+    for name in _UNHASHED_TRAINER_OPTIONS:
+        data["trainer"].pop(name)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -177,7 +177,7 @@ class Actor:
             output_weight=weight,
             targets=tokens[:, 1:].reshape(-1),
             temperature=temperature,
-            chunk_size=self.trainer.logprob_chunk_size,
+            chunk_size=self._logprob_chunk_size(weight.shape[0]),
             vocab_start=vocab_start,
             reducer=self.context.tp_vocab_reducer(),
         )
@@ -185,6 +185,12 @@ class Actor:
         logprobs = torch.cat([pad, result.logprobs.view(batch, steps)], dim=1)  # (B, T)
         entropy = torch.cat([pad, result.entropy.view(batch, steps)], dim=1)  # (B, T)
         return logprobs, entropy
+
+    def _logprob_chunk_size(self, vocab_local: int) -> int:
+        """The configured chunk, or as many tokens as ``logprob_buffer_mib`` of float32 logits hold."""
+        if self.trainer.logprob_chunk_size is not None:
+            return self.trainer.logprob_chunk_size
+        return max(2, self.trainer.logprob_buffer_mib * 2**20 // (4 * vocab_local))
 
     def _micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], int, int]:
         """Split by token count; with pipeline stages, every micro-batch has one shape."""

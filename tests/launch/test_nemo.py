@@ -12,6 +12,7 @@ import pytest
 from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import CampaignStatus
 from pipeline.launch.nemo import (
+    EXPERIMENTS_DIR,
     ExecutorOverrides,
     LaunchOptions,
     TORCHRUN_SIGNALS,
@@ -136,6 +137,35 @@ def test_profile_bounds_are_enforced(tmp_path):
     profile = dataclasses.replace(_h100(tmp_path), signal_s=4 * 3600)
     with pytest.raises(ConfigError, match="signal_s"):
         _dryrun(qwen25_math_7b(output_dir=tmp_path / "c"), profile, tmp_path)
+
+
+def test_dev_cluster_job_paths_name_the_experiment_folder_once(tmp_path):
+    # Without a container nemo-run rewrites every "/nemo_run" of the scripts into the job
+    # folder; a job whose --output or --chdir names a missing folder dies before its task.
+    profile = load_profile("dev")
+    plan = cpu_campaign(output_dir=tmp_path / "campaign", tiny=True)
+    exp_dir = launch_campaign(plan, options=LaunchOptions(executor="slurm", profile=profile, dryrun=True),
+                              out=lambda _: None)
+    assert exp_dir.parent.parent == tmp_path / "campaign" / EXPERIMENTS_DIR / "experiments"
+    sbatch = (exp_dir / "rl-grpo_sbatch.sh").read_text()
+    job_dir = exp_dir / "rl-grpo"
+    assert _flags(sbatch)["output"] == f"{job_dir}/sbatch_winnow-cpu-tiny-rl-grpo_%j.out"
+    srun = next(line for line in sbatch.splitlines() if line.startswith("srun --output"))
+    assert srun.startswith(f"srun --output {job_dir}/log-winnow-cpu-tiny-rl-grpo_%j_")
+    assert f"--chdir {job_dir}/code " in srun and srun.endswith(f"bash {job_dir}/scripts/rl-grpo.sh")
+    task = (job_dir / "scripts" / "rl-grpo.sh").read_text()
+    assert f"--campaign-dir {tmp_path / 'campaign'} --stage rl-grpo" in task
+
+
+def test_paths_that_nemo_run_would_rewrite_are_refused(tmp_path):
+    profile = load_profile("dev")
+    plan = cpu_campaign(output_dir=tmp_path / "nemo_run" / "campaign", tiny=True)
+    with pytest.raises(ConfigError, match="campaign output_dir .* contains '/nemo_run'"):
+        launch_campaign(plan, options=LaunchOptions(executor="slurm", profile=profile, dryrun=True),
+                        out=lambda _: None)
+    with pytest.raises(ConfigError, match="workdir .* contains '/nemo_run'"):
+        launch_campaign(cpu_campaign(output_dir=tmp_path / "c", tiny=True), out=lambda _: None, options=LaunchOptions(
+            executor="slurm", profile=dataclasses.replace(profile, workdir="/src/nemo_runs/winnow"), dryrun=True))
 
 
 def test_local_scripts(tmp_path):

@@ -78,8 +78,9 @@ def test_rollout_urls_follow_the_trainer_nodes():
         f"http://{host}:{30000 + i}" for host in ("r0", "r1") for i in range(4)]
     with pytest.raises(RuntimeError, match="needs 2 trainer and 2 rollout nodes"):
         task.rollout_urls(stage, hosts=hosts[:3])
-    commands = task.sglang_server_commands(stage, python="py")
+    commands = task.sglang_server_commands(stage, host="gpu-7", python="py")
     assert [c[c.index("--base-gpu-id") + 1] for c in commands] == ["0", "2", "4", "6"]
+    assert all(c[c.index("--host") + 1] == "gpu-7" for c in commands)  # the node's name, never 0.0.0.0
     assert all(c[c.index("--tp-size") + 1] == "2" and c[c.index("--model-path") + 1] == stage.config.policy
                for c in commands)
 

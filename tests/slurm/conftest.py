@@ -39,17 +39,23 @@ def slurm_cluster() -> Iterator[DevCluster]:
 
 
 @pytest.fixture
-def launch_profile(slurm_cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory):
+def launch_profile(slurm_cluster: DevCluster):
     """The dev profile pointed at the session's cluster, this interpreter and this checkout."""
     import dataclasses
     import sys
 
-    from pipeline.launch.slurm_profiles import TunnelProfile, load_profile
+    from pipeline.launch.slurm_profiles import load_profile
     from tests.slurm.cluster import REPO
 
-    jobs = tmp_path_factory.mktemp("nemo-jobs")
-    jobs.chmod(0o755)
-    return dataclasses.replace(
-        load_profile("dev"), slurm_conf=str(slurm_cluster.slurm_conf), python=sys.executable, workdir=str(REPO),
-        tunnel=TunnelProfile(kind="local", job_dir=str(jobs)),
-    )
+    return dataclasses.replace(load_profile("dev"), slurm_conf=str(slurm_cluster.slurm_conf), python=sys.executable,
+                               workdir=str(REPO))
+
+
+@pytest.fixture
+def launch_profile_file(launch_profile, tmp_path_factory: pytest.TempPathFactory):
+    """``launch_profile`` as a profile file, for ``winnow launch ... --profile FILE``."""
+    from pipeline import configlib
+
+    path = tmp_path_factory.mktemp("profiles") / "session-dev.yaml"
+    path.write_text(configlib.dump_yaml(launch_profile))
+    return path

@@ -1,9 +1,13 @@
-"""Campaigns launched through NeMo-Run's SlurmExecutor onto the real dev cluster.
+"""Stages and campaigns launched through NeMo-Run's SlurmExecutor onto the real dev cluster.
 
-A 2-rank CPU RL run under torchrun; a campaign whose second stage waits on the first;
-a failing first stage whose dependent SLURM cancels (``--kill-on-invalid-dep``) and the
-launcher reports; and SIGUSR1 mid-run: the RL stage checkpoints, exits 75, the job is
+A 2-rank CPU RL run under torchrun (``winnow launch stage rl``); a campaign whose second
+stage waits on the first, relaunched to skip both; a failing first stage whose
+dependents SLURM cancels (``--kill-on-invalid-dep``) while ``winnow launch campaign``
+exits non-zero; and SIGUSR1 mid-run: the RL stage checkpoints, exits 75, the job is
 requeued and the second attempt resumes from ``latest`` to the last step.
+
+Runtime on 2 cores: 12-62 s per test idle, up to 2 min loaded (each job imports torch and
+megatron-core; the RL tests train a 40-step bootstrap policy first).
 """
 
 from __future__ import annotations
@@ -16,21 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import EvaluateConfig
+from pipeline import configlib
+from pipeline.cli import main as winnow
+from pipeline.config import RLConfig
 from pipeline.launch.campaign import CampaignPlan, CampaignStatus, Resources, Stage
-from pipeline.launch.nemo import LaunchOptions, launch_campaign
+from pipeline.launch.nemo import EXPERIMENTS_DIR, LaunchOptions, launch_campaign
+from pipeline.stages.bootstrap import config_hash
 from recipes.campaigns import _tiny_rl
 from recipes.cpu import grpo_cpu
 from recipes.stages import bootstrap_cpu, evaluate_cpu
 from tests.slurm.cluster import START_BUDGET_S, DevCluster
 
-pytestmark = [
-    pytest.mark.slow,
-    # Known bug, under investigation: on a real (non-dry) run nemo-run 0.11.1 renders the
-    # --output/--chdir paths of a LocalTunnel job with the experiment directory twice, so
-    # the first job fails before its task starts (dependents are cancelled as designed).
-    pytest.mark.xfail(reason="nemo-run real-submission job paths doubled with LocalTunnel", strict=False),
-]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(autouse=True)
@@ -39,89 +40,109 @@ def _no_stdin(monkeypatch):
     monkeypatch.setattr(sys, "stdin", open("/dev/null"))
 
 
-def _rl_stage(tmp: Path, *, steps: int, ranks: int = 1, requeues: int = 0) -> Stage:
+def _tiny_rl_config(tmp: Path, *, steps: int):
     cfg = _tiny_rl(grpo_cpu(steps=steps, group_size=4))
-    cfg = dataclasses.replace(
+    return dataclasses.replace(
         cfg, bootstrap=bootstrap_cpu(tiny=True, cache_dir=str(tmp / "cache")),
         eval_set="arith?difficulty=3&size=20",
         checkpoint=dataclasses.replace(cfg.checkpoint, directory=str(tmp / "rl" / "checkpoints"), every_steps=100),
         logging=dataclasses.replace(cfg.logging, output_dir=str(tmp / "rl")),
     )
-    return Stage(name="rl", kind="rl", config=cfg, resources=Resources(ranks_per_node=ranks, requeues=requeues))
 
 
-def _launch(plan, profile, **options):
-    return launch_campaign(plan, options=LaunchOptions(executor="slurm", profile=profile, poll_s=1, **options),
-                           out=print)
-
-
-def _logs(plan) -> str:
+def _logs(output_dir: Path) -> str:
+    """The jobs' sbatch and task logs, for failure messages."""
     return "\n".join(f"--- {path}\n{path.read_text(errors='replace')[-3000:]}"
-                     for path in sorted((plan.output_dir / "nemo_run").rglob("log-*.out")))
+                     for path in sorted((output_dir / EXPERIMENTS_DIR).rglob("*.out")))
+
+
+def _trained_steps(run_dir: Path) -> list[int]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["step"] for row in rows if "loss" in row]
+
+
+@pytest.mark.timeout(START_BUDGET_S + 600)
+def test_two_rank_rl_stage_runs_under_torchrun(launch_profile_file, tmp_path):
+    config = tmp_path / "rl.yaml"
+    config.write_text(configlib.dump_yaml(_tiny_rl_config(tmp_path, steps=3)))
+    # Overrides on both sides of the options: the order users type them in.
+    code = winnow(["launch", "stage", "rl", "seed=3", "--config", str(config), "--executor", "slurm",
+                   "--profile", str(launch_profile_file), "--ranks-per-node", "2", "--output-dir",
+                   str(tmp_path / "launch"), "steps=2", "optim.total_steps=2"])
+    assert code == 0, _logs(tmp_path / "launch")
+    assert _trained_steps(tmp_path / "rl") == [1, 2]
+    resolved = configlib.load(RLConfig, yaml_path=str(tmp_path / "rl" / "config.yaml"))
+    assert (resolved.seed, resolved.steps) == (3, 2)
+    # Two ranks (data parallel 2) wrote the final checkpoint, each its own RNG state.
+    final = tmp_path / "rl" / "checkpoints" / "step_00000002"
+    assert sorted(path.name for path in (final / "ranks").iterdir()) == ["rank_00000.json", "rank_00001.json"]
+    script = next((tmp_path / "launch" / EXPERIMENTS_DIR).rglob("rl.sh")).read_text()
+    assert "torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2" in script
+    record = CampaignStatus(tmp_path / "launch").read()["rl"]
+    assert record["state"] == "done" and int(record["job_id"]) > 0
 
 
 @pytest.mark.timeout(START_BUDGET_S + 400)
-def test_two_rank_rl_runs_under_torchrun(launch_profile, tmp_path):
-    plan = CampaignPlan(name="rl2", output_dir=tmp_path, stages=[_rl_stage(tmp_path, steps=2, ranks=2)])
-    result = _launch(plan, launch_profile)
-    assert result.ok, _logs(plan)
-    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows if "loss" in row] == [1, 2]
-    assert (tmp_path / "rl" / "checkpoints" / "step_00000002").is_dir()
-    script = next((tmp_path / "nemo_run").rglob("rl.sh")).read_text()
-    assert "torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2" in script
-    assert CampaignStatus(tmp_path).read()["rl"]["job_id"] is not None
-
-
-@pytest.mark.timeout(START_BUDGET_S + 300)
-def test_campaign_with_a_dependency_then_a_failure_that_stops_its_dependent(launch_profile, tmp_path):
+def test_campaign_with_a_dependency_runs_in_order_and_relaunch_skips_it(launch_profile, tmp_path):
     boot = bootstrap_cpu(tiny=True, cache_dir=str(tmp_path / "cache"))
-    from pipeline.stages.bootstrap import config_hash
-
     entry = tmp_path / "cache" / config_hash(boot)
     evaluate = dataclasses.replace(evaluate_cpu(tiny=True), policy=str(entry), output_dir=str(tmp_path / "eval"))
     plan = CampaignPlan(name="dep", output_dir=tmp_path, stages=[
         Stage(name="bootstrap", kind="bootstrap", config=boot),
         Stage(name="evaluate", kind="evaluate", config=evaluate, depends_on=("bootstrap",)),
     ])
-    result = _launch(plan, launch_profile)
-    assert result.ok, _logs(plan)
-    assert json.loads((tmp_path / "eval" / "results.json").read_text())["benchmarks"]
+    options = LaunchOptions(executor="slurm", profile=launch_profile, poll_s=1)
+    result = launch_campaign(plan, options=options)
+    assert result.ok, _logs(tmp_path)
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert results["benchmarks"], results
+    records = CampaignStatus(tmp_path).read()
+    # The evaluate job started only after the bootstrap job had finished (afterok).
+    assert records["evaluate"]["started"] >= records["bootstrap"]["finished"]
+    assert records["bootstrap"]["job_id"] != records["evaluate"]["job_id"]
     # Relaunching skips both stages and submits nothing.
-    again = _launch(plan, launch_profile)
+    again = launch_campaign(plan, options=options)
     assert again.skipped == ("bootstrap", "evaluate") and again.ok
+    assert CampaignStatus(tmp_path).read()["evaluate"]["attempts"] == 1
 
-    broken_dir = tmp_path / "broken"
-    broken = CampaignPlan(name="broken", output_dir=broken_dir, stages=[
-        Stage(name="bootstrap", kind="bootstrap",
-              config=dataclasses.replace(boot, sources=[str(tmp_path / "missing.jsonl")])),
-        Stage(name="evaluate", kind="evaluate", config=evaluate, depends_on=("bootstrap",)),
-    ])
-    result = _launch(broken, launch_profile)
-    assert result.states == {"bootstrap": "failed", "evaluate": "pending"}, _logs(broken)
-    assert result.blocked == ("evaluate",) and not result.ok
-    assert "missing.jsonl" in _logs(broken)
+
+@pytest.mark.timeout(START_BUDGET_S + 300)
+def test_failed_stage_cancels_its_dependents_and_the_launcher_exits_nonzero(launch_profile_file, tmp_path, capsys):
+    missing = tmp_path / "missing.jsonl"
+    code = winnow(["launch", "campaign", "--recipe", "cpu-tiny", "--executor", "slurm", "--profile",
+                   str(launch_profile_file), "--output-dir", str(tmp_path), f'bootstrap.sources=["{missing}"]'])
+    assert code == 1, _logs(tmp_path)
+    records = CampaignStatus(tmp_path).read()
+    assert records["bootstrap"]["state"] == "failed"
+    assert "missing.jsonl" in records["bootstrap"]["error"]
+    dependents = [name for name in records if name != "bootstrap"]
+    assert len(dependents) == 8  # curate, train-estimator, and rl, evaluate, export of two variants
+    # Cancelled by SLURM before they ran: never started, still pending for the next launch.
+    assert {records[name]["state"] for name in dependents} == {"pending"}
+    assert all(records[name]["attempts"] == 0 for name in dependents)
+    assert "did not finish: failed bootstrap" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(START_BUDGET_S + 600)
 def test_usr1_checkpoints_requeues_and_resumes(launch_profile, slurm_cluster: DevCluster, tmp_path):
-    stage = _rl_stage(tmp_path, steps=8, requeues=2)
+    stage = Stage(name="rl", kind="rl", config=_tiny_rl_config(tmp_path, steps=6), resources=Resources(requeues=2))
     plan = CampaignPlan(name="requeue", output_dir=tmp_path, stages=[stage])
-    submitted = _launch(plan, launch_profile, wait=False)
+    submitted = launch_campaign(plan, options=LaunchOptions(executor="slurm", profile=launch_profile, wait=False))
     job_id = int(CampaignStatus(tmp_path).read()["rl"]["job_id"])
     assert submitted.states["rl"] in ("pending", "running")
     metrics = tmp_path / "rl" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 400
     while not (metrics.exists() and any('"loss"' in line for line in metrics.read_text().splitlines())):
-        assert time.monotonic() < deadline, f"no RL step after 300 s\n{_logs(plan)}"
+        assert time.monotonic() < deadline, f"no RL step after 400 s\n{_logs(tmp_path)}"
         time.sleep(0.5)
     # What --signal=USR1@N sends before the time limit, sent now: to every process of the job's steps.
     slurm_cluster.slurm("scancel", "--signal=USR1", str(job_id))
-    record = slurm_cluster.wait_for_job(job_id, lambda r: r["JobState"] == "COMPLETED" and r["Restarts"] == "1",
-                                        timeout_s=400, what="requeued once and completed")
+    record = slurm_cluster.wait_for_job(job_id, lambda r: r["JobState"] == "COMPLETED", timeout_s=500,
+                                        what="completed")
+    assert record["Restarts"] == "1", (record, _logs(tmp_path))
     status = CampaignStatus(tmp_path).read()["rl"]
-    assert (status["state"], status["attempts"], status["restarts"]) == ("done", 2, 1), (record, _logs(plan))
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
-    assert steps[-1] == 8
-    # The second attempt resumed after the checkpointed step instead of starting over.
-    assert sorted(set(steps)) == list(range(1, 9)) and steps.count(1) == 1, steps
+    assert (status["state"], status["attempts"], status["restarts"]) == ("done", 2, 1), (status, _logs(tmp_path))
+    steps = _trained_steps(tmp_path / "rl")
+    # The first attempt checkpointed the step it stopped after; the second resumed from there to the last.
+    assert steps == list(range(1, 7)), steps
+    assert (tmp_path / "rl" / "checkpoints" / "step_00000006").is_dir()

@@ -49,3 +49,16 @@ def test_bootstrap_trains_and_caches(tmp_path):
     path = manager.newest_valid()
     assert path is not None and path.name == "step_00000040"
     assert json.loads((path / "manifest.json").read_text())["model_spec"]["vocab_size"] == summary["vocab_size"]
+
+
+def test_the_cache_key_ignores_speed_and_memory_knobs_only():
+    from pipeline.config import BootstrapConfig
+    from pipeline.stages.bootstrap import config_hash
+
+    base = BootstrapConfig()
+    same = BootstrapConfig(progress=False, cache_dir="elsewhere")
+    same.trainer.logprob_chunk_size, same.trainer.logprob_buffer_mib, same.trainer.max_skipped_steps = 64, 8, 9
+    assert config_hash(same) == config_hash(base)
+    different = BootstrapConfig()
+    different.trainer.micro_batch_tokens = 1024
+    assert config_hash(different) != config_hash(base)

@@ -232,3 +232,16 @@ def _direction_worker(rank, world_size):
 def test_policy_gradient_raises_positive_and_lowers_negative_advantage_sequences():
     change = run_distributed(_direction_worker, world_size=1)[0]
     assert (change[0::2] > 0).all() and (change[1::2] < 0).all(), change
+
+
+def test_the_head_chunk_follows_the_logits_buffer_budget():
+    from types import SimpleNamespace
+
+    from pipeline.config import TrainerConfig
+    from pipeline.trainer.actor import Actor
+
+    fake = SimpleNamespace(trainer=TrainerConfig(logprob_buffer_mib=1))
+    assert Actor._logprob_chunk_size(fake, 256) == 2**20 // (4 * 256)  # 1024 tokens of 256 float32 logits
+    assert Actor._logprob_chunk_size(fake, 10**9) == 2  # never fewer than two tokens
+    fake.trainer = TrainerConfig(logprob_chunk_size=48)
+    assert Actor._logprob_chunk_size(fake, 256) == 48
