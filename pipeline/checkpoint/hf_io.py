@@ -269,10 +269,21 @@ def _shard_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
+def _special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
+    """``bos/eos/pad_token_id`` of the tokenizer in ``tokenizer_dir`` (those it defines)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True, trust_remote_code=False)
+    ids = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "pad")}
+    return {key: value for key, value in ids.items() if isinstance(value, int)}
+
+
 def _generation_values(
     source_dir: Path | None, overrides: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    values: dict[str, Any] = {}
+    # The tokenizer's special tokens first: without eos_token_id in the generation config,
+    # transformers' generate() never stops at the end of an answer.
+    values: dict[str, Any] = _special_token_ids(source_dir) if source_dir is not None else {}
     if source_dir is not None and (source_dir / GENERATION_CONFIG_FILE).is_file():
         values.update(_read_json_object(source_dir / GENERATION_CONFIG_FILE, what="generation config"))
         values.pop("transformers_version", None)

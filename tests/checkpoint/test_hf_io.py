@@ -275,3 +275,17 @@ def test_existing_target_is_kept_unless_overwrite(tmp_path, tokenizer_dir):
     with pytest.raises(CheckpointError, match="holds none of"):
         write_hf_checkpoint(tmp_path / "other", state.items(), spec=SPEC, tokenizer_dir=empty)
     assert _leftovers(tmp_path) == ["no_tokenizer", "out"]
+
+
+def test_special_token_ids_come_from_the_tokenizer_without_a_generation_config(tmp_path, tokenizer_dir):
+    import shutil
+
+    from transformers import GenerationConfig
+
+    bare = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, bare)
+    (bare / GENERATION_CONFIG_FILE).unlink(missing_ok=True)
+    folder = write_hf_checkpoint(tmp_path / "out", random_hf_state(SPEC).items(), spec=SPEC, tokenizer_dir=bare)
+    generation = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    assert generation.eos_token_id == 1  # "</s>": generate() stops at the end of an answer
+    assert json.loads((folder / CONFIG_FILE).read_text())["eos_token_id"] == 1
