@@ -66,6 +66,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-set", default="arith?difficulty=3&size=1000", help="held-out source (test split)")
     parser.add_argument("--trl-python", default=str(REPO / "cache/bench-trl-venv/bin/python"),
                         help="python of the virtual environment that has TRL")
+    parser.add_argument("--winnow", nargs="*", default=["trainer.old_logprobs=update_forward"], metavar="KEY=VALUE",
+                        help="RLConfig overrides of the winnow side (default: π_old from the update's own forward, "
+                             "as TRL does with one iteration per batch)")
     parser.add_argument("--out", default="runs/bench/trl_compare", help="output directory (replaced)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run the TRL side
     args = parser.parse_args(argv)
@@ -213,7 +216,7 @@ def winnow_config(args: argparse.Namespace, out: Path):
         f"optim.lr={args.lr}", "optim.decay=constant", "optim.warmup_steps=0",
         f"logging.output_dir={out / 'winnow'}", f"checkpoint.directory={out / 'winnow/checkpoints'}",
         f"checkpoint.every_steps={total_steps}", "checkpoint.keep_last=1", "logging.tensorboard=false",
-        "logging.progress=false", "eval_samples=1",
+        "logging.progress=false", "eval_samples=1", *args.winnow,
     ])
 
 
