@@ -556,7 +556,9 @@ class TrainEstimatorConfig:
     batch_size: int = option(32, ge=2, help="prompts per update (the ranking loss compares pairs within a batch)")
     lr: float = option(2e-5, gt=0.0, help="AdamW learning rate")
     weight_decay: float = option(0.01, ge=0.0, help="AdamW weight decay")
-    w_distill: float = option(0.5, ge=0.0, help="weight of L_distill (DEPO §4.1); unused offline: no actor log-probs")
+    w_distill: float = option(
+        0.5, ge=0.0, help="weight of L_distill (DEPO §4.1): the policy's question perplexity, recorded by the curation"
+    )
     w_rank: float = option(3.0, ge=0.0, help="weight of the pairwise ranking loss L_rank (DEPO §4.1)")
     margin: float = option(0.1, ge=0.0, help="ranking margin m in logit units (the paper gives none)")
     holdout_fraction: float = option(0.1, gt=0.0, lt=1.0, help="fraction of prompts (by id hash) held out")

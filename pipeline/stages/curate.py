@@ -22,7 +22,9 @@ choices the paper leaves open):
 Outputs under ``output_dir``:
 
     shards/shard_XXXXX.parquet  id, source, problem, answer, metadata (JSON), n, c, pass_rate,
-                                difficulty, num_generated_tokens — one row per sampled prompt
+                                difficulty, num_generated_tokens, question_logprob (the policy's mean
+                                log-prob of the question tokens: DEPO's distillation target) — one row
+                                per sampled prompt
     pass_rates.parquet          every loaded prompt: id, spec (its entry of ``sources``), source, n, c,
                                 pass_rate (null when not sampled), difficulty, kept, drop_reason
                                 (null when kept)
@@ -74,7 +76,7 @@ KEPT_FILE = "kept.jsonl"
 MANIFEST_FILE = "manifest.json"
 REPORT_FILE = "report.md"
 PLOT_FILE = "difficulty.png"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards carry question_logprob
 _SHARD_METADATA_KEY = b"winnow.curate"
 _RESERVED_KEYS = ("id", "problem", "answer")  # kept.jsonl's own fields; metadata may not shadow them
 
@@ -420,6 +422,7 @@ def _sample_shards(shards: list[_Shard], *, policy, pool, cfg: CurateConfig, fin
     from tqdm.auto import tqdm
 
     from pipeline.eval.runner import sample_and_grade
+    from pipeline.models.tokenizer import prompt_token_ids
     from pipeline.rollout.local import LocalEngine
     from pipeline.rollout.types import SamplingParams
 
@@ -440,7 +443,10 @@ def _sample_shards(shards: list[_Shard], *, policy, pool, cfg: CurateConfig, fin
                                     top_p=cfg.top_p, seed=shard.seed)
             results = sample_and_grade(engine=engine, tokenizer=policy.tokenizer, prompts=shard.prompts,
                                        num_samples=cfg.num_samples, params=params, pool=pool, template=cfg.template)
-            table = _shard_table(results, shard=shard, fingerprint=fingerprint)
+            question_logprobs = question_mean_logprobs(
+                policy.hf_model, [prompt_token_ids(policy.tokenizer, p, template=cfg.template) for p in shard.prompts],
+                pad_id=policy.tokenizer.pad_token_id or 0)
+            table = _shard_table(results, shard=shard, fingerprint=fingerprint, question_logprobs=question_logprobs)
             _atomic_write_parquet(shard.path, table)
             state = "generated"
         tables.append(table)
@@ -449,6 +455,28 @@ def _sample_shards(shards: list[_Shard], *, policy, pool, cfg: CurateConfig, fin
                        "seconds": round(time.perf_counter() - started, 3),
                        "num_generated_tokens": int(np.sum(table.column("num_generated_tokens").to_numpy()))})
     return tables, status
+
+
+def question_mean_logprobs(model, prompts: list[list[int]], *, pad_id: int, batch_rows: int = 64) -> np.ndarray:
+    """``(B,)`` the policy's mean log-prob of each prompt's tokens after the first: the
+    inverse-perplexity target of DEPO's L_distill (``depo.perplexity_targets``)."""
+    import torch
+
+    means = np.zeros(len(prompts), dtype=np.float64)
+    with torch.no_grad():
+        for start in range(0, len(prompts), batch_rows):
+            rows = prompts[start : start + batch_rows]
+            tokens = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)  # (B, T)
+            mask = torch.zeros(tokens.shape, dtype=torch.bool)  # (B, T) real tokens
+            for i, ids in enumerate(rows):
+                tokens[i, : len(ids)] = torch.tensor(ids)
+                mask[i, : len(ids)] = True
+            logits = model(input_ids=tokens, attention_mask=mask.long()).logits.float()  # (B, T, V)
+            logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+            counted = mask[:, 1:]  # (B, T-1): every token with a prefix
+            sums = torch.where(counted, logprobs, 0.0).sum(dim=1).double()
+            means[start : start + len(rows)] = (sums / counted.sum(dim=1).clamp(min=1)).numpy()
+    return means
 
 
 def _eos_token_ids(policy) -> list[int]:
@@ -469,7 +497,7 @@ def _eos_token_ids(policy) -> list[int]:
     return sorted(ids)
 
 
-def _shard_table(results, *, shard: _Shard, fingerprint: str):
+def _shard_table(results, *, shard: _Shard, fingerprint: str, question_logprobs: np.ndarray):
     import pyarrow as pa
 
     from pipeline.stages.curate_rules import difficulty_names
@@ -488,6 +516,7 @@ def _shard_table(results, *, shard: _Shard, fingerprint: str):
         "pass_rate": pa.array(c / n, pa.float64()),
         "difficulty": difficulty_names(n, c),
         "num_generated_tokens": pa.array([r.num_generated_tokens for r in results], pa.int64()),
+        "question_logprob": pa.array(question_logprobs, pa.float64()),
     })
     metadata = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "shard_index": shard.index, "seed": shard.seed}
     return table.replace_schema_metadata({_SHARD_METADATA_KEY: json.dumps(metadata).encode()})

@@ -7,7 +7,8 @@ finished ``winnow curate`` already holds k graded samples for every sampled prom
 this stage gives the estimator that warm-up offline, before any RL step, and reports how
 well it is calibrated on prompts it never saw.
 
-Inputs: ``curation_dir`` (``load_curation`` for n, c; the shards for the problem texts).
+Inputs: ``curation_dir`` (``load_curation`` for n, c; the shards for the problem texts and the
+policy's mean question log-probs, whose exp is the L_distill target of §3.1.2).
 Every sampled prompt is used, including those the curation rules dropped as trivial or
 impossible: those are exactly the zero-variance prompts the filter must learn to spot.
 The held-out split hashes each prompt id (not the seed), so runs with other seeds or
@@ -55,24 +56,30 @@ def holdout_mask(prompt_ids: list[str], *, fraction: float) -> np.ndarray:
     return hashes.astype(np.float64) / 2.0**64 < fraction
 
 
-def load_training_set(curation_dir: str | Path) -> tuple[list[str], list[str], np.ndarray, int]:
-    """Every sampled prompt of a curation: ids, problem texts, observed pass rates ``(P,)``, and k."""
+def load_training_set(curation_dir: str | Path) -> tuple[list[str], list[str], np.ndarray, np.ndarray, int]:
+    """Every sampled prompt of a curation: ids, problem texts, observed pass rates ``(P,)``, the
+    policy's mean question log-probs ``(P,)`` (DEPO's distillation target), and k."""
     import pyarrow.parquet as pq
 
     from pipeline.stages.curate import SHARDS_DIR, CurationError, load_curation
 
     curation = load_curation(curation_dir)
     problem_of: dict[str, str] = {}
+    logprob_of: dict[str, float] = {}
     for path in sorted((Path(curation_dir) / SHARDS_DIR).glob("shard_*.parquet")):
-        table = pq.read_table(path, columns=["id", "problem"])
-        problem_of.update(zip(table.column("id").to_pylist(), table.column("problem").to_pylist()))
+        table = pq.read_table(path, columns=["id", "problem", "question_logprob"])
+        ids_in_shard = table.column("id").to_pylist()
+        problem_of.update(zip(ids_in_shard, table.column("problem").to_pylist()))
+        logprob_of.update(zip(ids_in_shard, table.column("question_logprob").to_pylist()))
     sampled = np.flatnonzero(curation.sampled_mask)
     ids = [curation.prompt_ids[i] for i in sampled]
     missing = [pid for pid in ids if pid not in problem_of]
     if missing:
         raise CurationError(f"{curation_dir}: {len(missing)} sampled prompt(s) have no shard row "
                             f"(first {missing[0]!r}); the curation is incomplete")
-    return ids, [problem_of[pid] for pid in ids], curation.pass_rates[sampled], curation.samples_per_prompt
+    question_logprobs = np.array([logprob_of[pid] for pid in ids], dtype=np.float64)
+    return ids, [problem_of[pid] for pid in ids], curation.pass_rates[sampled], question_logprobs, \
+        curation.samples_per_prompt
 
 
 def build_estimator(cfg: TrainEstimatorConfig):
@@ -105,7 +112,7 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
             out(f"already trained with this config: {output_dir} (delete {finished.name} to retrain)")
             return previous
 
-    ids, texts, pass_rates, samples_per_prompt = load_training_set(cfg.curation_dir)
+    ids, texts, pass_rates, question_logprobs, samples_per_prompt = load_training_set(cfg.curation_dir)
     held_out = holdout_mask(ids, fraction=cfg.holdout_fraction)  # (P,)
     train_index, holdout_index = np.flatnonzero(~held_out), np.flatnonzero(held_out)
     if train_index.size < 2 or holdout_index.size < 2:
@@ -136,7 +143,8 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
         losses = []
         for batch in tqdm(batches, desc=f"estimator epoch {epoch + 1}", unit="batch", disable=not cfg.progress,
                           leave=False):
-            metrics = trainer.update([texts[i] for i in batch], torch.from_numpy(pass_rates[batch]).float())
+            metrics = trainer.update([texts[i] for i in batch], torch.from_numpy(pass_rates[batch]).float(),
+                                     torch.from_numpy(question_logprobs[batch]))
             losses.append(metrics["depo/loss"])
         held = evaluate(holdout_index, holdout_texts)
         history.append({"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "holdout_brier": held["brier"],

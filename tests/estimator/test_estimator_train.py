@@ -238,7 +238,10 @@ def _write_curation(directory, *, num_prompts: int, k: int = 8) -> list[str]:
         shard = curate._Shard(index=index, prompts=[prompts[i] for i in rows], seed=index,
                               path=directory / curate.SHARDS_DIR / f"shard_{index:05d}.parquet")
         results = [_FakeResult(prompt=prompts[i], num_samples=k, num_correct=int(num_correct[i])) for i in rows]
-        curate._atomic_write_parquet(shard.path, curate._shard_table(results, shard=shard, fingerprint="fake"))
+        # The policy's question log-prob: easier (higher pass rate) questions are more familiar.
+        question_logprobs = -3.0 + 2.0 * rates[rows]
+        curate._atomic_write_parquet(shard.path, curate._shard_table(results, shard=shard, fingerprint="fake",
+                                                                      question_logprobs=question_logprobs))
     result = curate.CurationResult(
         output_dir=directory, prompt_ids=[p.id for p in prompts], specs=["fake"] * num_prompts,
         sources=["synthetic"] * num_prompts, num_samples=num_samples, num_correct=num_correct,
@@ -262,8 +265,9 @@ def test_stage_end_to_end_on_a_fake_curation(tmp_path, capsys):
     )
 
     sampled_ids = _write_curation(tmp_path / "curate", num_prompts=160)
-    ids, texts, pass_rates, k = load_training_set(tmp_path / "curate")
+    ids, texts, pass_rates, question_logprobs, k = load_training_set(tmp_path / "curate")
     assert ids == sampled_ids and k == 8 and len(texts) == 144 and pass_rates.min() >= 0.0
+    assert question_logprobs.shape == (144,) and question_logprobs.max() <= -1.0
     parser = argparse.ArgumentParser()
     add_train_estimator_arguments(parser)
     args = parser.parse_args([f"curation_dir={tmp_path / 'curate'}", "encoder=tiny", "max_length=24", "epochs=3",
@@ -287,6 +291,7 @@ def test_stage_end_to_end_on_a_fake_curation(tmp_path, capsys):
     held_rates = pass_rates[holdout_mask(ids, fraction=0.25)]
     assert np.mean((predicted - held_rates) ** 2) == pytest.approx(report["holdout"]["brier"], rel=1e-5)
     assert "torch" in report["versions"]
+    assert all(row["train_loss"] > 0 for row in report["history"])
 
     # A rerun with the same config finds the finished outputs and does not retrain.
     weights = (out / "estimator" / "model.safetensors").stat().st_mtime_ns

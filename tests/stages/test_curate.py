@@ -201,7 +201,9 @@ def test_end_to_end_outputs(completed, extra_source):
         np.testing.assert_array_equal(table.column("pass_rate").to_numpy(), c / n)
         assert table.column("difficulty").to_pylist() == rules.difficulty_names(n, c)
         assert table.column_names == ["id", "source", "problem", "answer", "metadata", "n", "c", "pass_rate",
-                                      "difficulty", "num_generated_tokens"]
+                                      "difficulty", "num_generated_tokens", "question_logprob"]
+        question_logprobs = table.column("question_logprob").to_numpy()
+        assert np.all(np.isfinite(question_logprobs)) and np.all(question_logprobs < 0)
 
     # pass_rates.parquet: every prompt; its kept flags and reasons are the rules applied to the shards' (n, c).
     table = pq.read_table(output_dir / PASS_RATES_FILE)
