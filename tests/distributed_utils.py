@@ -16,6 +16,8 @@ name), and tensors in results should be detached CPU tensors.
 
 from __future__ import annotations
 
+import contextlib
+
 import faulthandler
 import os
 import pickle
@@ -113,3 +115,19 @@ def run_distributed(
             with (Path(result_dir) / f"rank{rank}.pkl").open("rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+@contextlib.contextmanager
+def one_rank_context(*, seed: int = 0):
+    """A one-rank gloo ``ParallelContext`` on a free local port, torn down on exit (module fixtures)."""
+    from pipeline.parallel.context import ParallelContext
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=seed, rank=0, world_size=1,
+                                     master_addr="127.0.0.1", master_port=port, backend="gloo")
+    try:
+        yield ctx
+    finally:
+        ctx.destroy()

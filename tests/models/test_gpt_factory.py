@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import types
 
 import pytest
+
+from tests.distributed_utils import one_rank_context
 import torch
 import torch.nn.functional as F
 
@@ -42,17 +43,8 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 
 @pytest.fixture(scope="module")
 def context():
-    from pipeline.parallel.context import ParallelContext
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=0, rank=0, world_size=1,
-                                     master_addr="127.0.0.1", master_port=port, backend="gloo")
-    try:
+    with one_rank_context() as ctx:
         yield ctx
-    finally:
-        ctx.destroy()
 
 
 def _causal_mask() -> torch.Tensor:

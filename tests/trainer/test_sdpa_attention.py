@@ -7,9 +7,10 @@ about 3 s.
 from __future__ import annotations
 
 import collections
-import socket
 
 import pytest
+
+from tests.distributed_utils import one_rank_context
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -25,17 +26,8 @@ SEQ, BATCH, HEAD_DIM = 10, 3, 8
 
 @pytest.fixture(scope="module")
 def context():
-    from pipeline.parallel.context import ParallelContext
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=0, rank=0, world_size=1,
-                                     master_addr="127.0.0.1", master_port=port, backend="gloo")
-    try:
+    with one_rank_context() as ctx:
         yield ctx
-    finally:
-        ctx.destroy()
 
 
 def _config(*, heads: int, groups: int, **overrides):
