@@ -5,8 +5,6 @@ from __future__ import annotations
 import types
 
 import pytest
-
-from tests.distributed_utils import one_rank_context
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +12,8 @@ from pipeline.models.factory import CPU_DISABLED_FUSIONS, build_gpt_model, build
 from pipeline.models.layer_spec import LayerSpecChoice
 from pipeline.models.sharding import global_parameter_name, shard_full_state_dict
 from pipeline.models.spec import ModelSpec
+
+from tests.distributed_utils import one_rank_context
 
 VOCAB, HIDDEN, FFN, HEADS, GROUPS, SEQ = 128, 64, 96, 4, 2, 12
 HEAD_DIM = HIDDEN // HEADS

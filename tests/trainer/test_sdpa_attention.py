@@ -9,8 +9,6 @@ from __future__ import annotations
 import collections
 
 import pytest
-
-from tests.distributed_utils import one_rank_context
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -20,6 +18,8 @@ from pipeline.models.factory import build_transformer_config
 from pipeline.models.layer_spec import LayerSpecChoice, local_layer_spec
 from pipeline.models.local_modules import SDPADotProductAttention
 from pipeline.models.spec import ModelSpec
+
+from tests.distributed_utils import one_rank_context
 
 SEQ, BATCH, HEAD_DIM = 10, 3, 8
 
