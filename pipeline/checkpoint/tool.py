@@ -234,6 +234,11 @@ def _spec_from_manifest(manifest: dict[str, Any], *, step_dir: Path) -> ModelSpe
         raise CheckpointError(f"{step_dir / MANIFEST_FILE}: invalid model_spec: {error}") from error
 
 
+def checkpoint_spec(step_dir: Path) -> ModelSpec:
+    """The ``ModelSpec`` a verified step directory (``resolve_checkpoint``) records."""
+    return _spec_from_manifest(_read_manifest(step_dir), step_dir=step_dir)
+
+
 def _load_step_weights(step_dir: Path, module: torch.nn.Module) -> None:
     # Imported here: the trainer's checkpoint module loads megatron, which `--help` should not.
     from pipeline.trainer.checkpoint import load_model_weights as load_step_weights

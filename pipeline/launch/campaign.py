@@ -385,6 +385,11 @@ class CampaignResult:
         return all(state == "done" for state in self.states.values())
 
 
+def unfinished_dependency(stage: Stage, states: dict[str, str]) -> str | None:
+    """The first stage ``stage`` depends on that is not ``done`` in ``states`` (then it must not run)."""
+    return next((dep for dep in stage.depends_on if states.get(dep) != "done"), None)
+
+
 def run_campaign_inprocess(plan: CampaignPlan, *, context=None, out: Callable[[str], Any] = print,
                            runner: Callable[..., StageOutcome] = run_stage) -> CampaignResult:
     """Run every stage not yet done, in dependency order, in this process.
@@ -407,9 +412,9 @@ def run_campaign_inprocess(plan: CampaignPlan, *, context=None, out: Callable[[s
         if stage.name in skipped:
             out(f"{prefix}: done before, skipped")
             continue
-        failed_deps = [dep for dep in stage.depends_on if states.get(dep) != "done"]
-        if failed_deps:
-            out(f"{prefix}: not run, {failed_deps[0]} did not finish")
+        unfinished = unfinished_dependency(stage, states)
+        if unfinished is not None:
+            out(f"{prefix}: not run, {unfinished} did not finish")
             states[stage.name] = "pending"
             blocked.append(stage.name)
             continue

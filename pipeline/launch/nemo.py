@@ -33,7 +33,7 @@ import nemo_run as run
 from nemo_run.config import RUNDIR_NAME
 
 from pipeline.configlib import ConfigError
-from pipeline.launch.campaign import CampaignPlan, CampaignResult, CampaignStatus, Stage
+from pipeline.launch.campaign import CampaignPlan, CampaignResult, CampaignStatus, Stage, unfinished_dependency
 from pipeline.launch.slurm_profiles import SlurmProfile, parse_slurm_time
 
 REPO = Path(__file__).resolve().parents[2]
@@ -254,9 +254,9 @@ def _launch_local(plan, pending: list[Stage], *, skipped, options, experiments_d
     states = dict.fromkeys(skipped, "done")
     blocked = []
     for stage in pending:
-        unfinished = [dep for dep in stage.depends_on if states.get(dep) != "done"]
-        if unfinished:
-            out(f"{stage.name}: not run, {unfinished[0]} did not finish")
+        unfinished = unfinished_dependency(stage, states)
+        if unfinished is not None:
+            out(f"{stage.name}: not run, {unfinished} did not finish")
             states[stage.name] = "pending"
             blocked.append(stage.name)
             continue

@@ -130,7 +130,7 @@ def initial_policy(cfg: RLConfig, *, context) -> InitialPolicy:
     A Hugging Face folder is converted once with ``winnow convert hf-to-megatron``, which
     checks logit parity; starting from unverified weights is not offered.
     """
-    from pipeline.checkpoint.tool import _read_manifest, _spec_from_manifest, resolve_checkpoint
+    from pipeline.checkpoint.tool import checkpoint_spec, resolve_checkpoint
     from pipeline.eval.policy import is_hf_folder
     from pipeline.stages.bootstrap import run_bootstrap
 
@@ -148,7 +148,7 @@ def initial_policy(cfg: RLConfig, *, context) -> InitialPolicy:
     tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else step_dir.parent / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise ValueError(f"tokenizer: no tokenizer.json in {tokenizer_dir}; set tokenizer=DIR")
-    return InitialPolicy(_spec_from_manifest(_read_manifest(step_dir), step_dir=step_dir), step_dir, tokenizer_dir)
+    return InitialPolicy(checkpoint_spec(step_dir), step_dir, tokenizer_dir)
 
 
 def seed_stats_from_curation(stats: PromptStatsStore, curation_dir: str) -> None:

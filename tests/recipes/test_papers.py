@@ -13,6 +13,7 @@ from pipeline.algorithms.e3 import e3_budget_bounds
 from pipeline.config import RLConfig
 from pipeline.data.sources import parse_spec
 from pipeline.rl.methods import build_methods
+from tests.recipes.test_cpu_recipes import _flat
 from recipes import papers
 from recipes.papers import MODELS, PAPER_PRESETS, build, write_yaml
 
@@ -20,14 +21,6 @@ RUN_DIR_KEYS = {"logging.output_dir", "checkpoint.directory"}
 QWEN_VOCAB = 151_936  # only sizes the E3 controller's Eq. 4 constant here
 
 
-def _flat(cfg):
-    def walk(node, prefix=""):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                yield from walk(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", value
-    return dict(walk(configlib.to_dict(cfg)))
 
 
 def _changed(child: str, parent: str) -> set[str]:

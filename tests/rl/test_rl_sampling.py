@@ -265,3 +265,13 @@ def test_budget_bounds_must_contain_the_group_size():
         configlib.from_dict(RLConfig, {"group_size": 8, "algorithm": {"budget": "e3",
                                                                       "e3_budget": {"min_limit": 2, "max_limit": 6}}})
     assert math.isfinite(configlib.from_dict(RLConfig, {"group_size": 4, "algorithm": {"budget": "e3"}}).group_size)
+
+
+def test_rl_refuses_an_unconverted_hugging_face_policy(tmp_path):
+    from pipeline.rl.setup import initial_policy
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    cfg = RLConfig(policy=str(tmp_path))
+    with pytest.raises(ValueError, match="winnow convert hf-to-megatron"):
+        initial_policy(cfg, context=None)
