@@ -206,6 +206,10 @@ class BootstrapConfig:
         help="worked-solution sources to supervise on (their train split)",
     )
     vocab_size: int = option(320, ge=32, help="BPE vocabulary size of the trained tokenizer")
+    vocab_multiple: int = option(
+        64, ge=1,
+        help="reserved tokens pad the vocabulary to a multiple of this, so the embedding and output "
+             "layer split evenly over tensor-parallel sizes dividing it")
     model: ModelConfig = section(ModelConfig, help="the policy architecture")
     optim: OptimConfig = option(
         default_factory=lambda: OptimConfig(

@@ -18,8 +18,15 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 
 
-def train_tokenizer(texts: Iterable[str], *, vocab_size: int):
-    """A ``PreTrainedTokenizerFast`` with BPE merges learned from ``texts``."""
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int, pad_to_multiple_of: int = 1):
+    """A ``PreTrainedTokenizerFast`` with BPE merges learned from ``texts``.
+
+    A small corpus stops BPE well short of ``vocab_size`` (the arithmetic corpus has 59
+    tokens), so the length is whatever the corpus gives; ``pad_to_multiple_of`` then appends
+    reserved special tokens (``<reserved_0>``, …; never in the data, so training drives their
+    logits down, and decoding with ``skip_special_tokens`` drops them) until the vocabulary
+    splits evenly over tensor-parallel ranks, as Llama 3's reserved tokens do.
+    """
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < len(SPECIAL_TOKENS) + 10:
@@ -36,6 +43,9 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int):
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
+    reserved = -tokenizer.get_vocab_size() % pad_to_multiple_of
+    if reserved:
+        tokenizer.add_special_tokens([f"<reserved_{index}>" for index in range(reserved)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
     )

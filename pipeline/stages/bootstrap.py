@@ -119,7 +119,7 @@ def run_bootstrap(cfg: BootstrapConfig, *, context=None) -> BootstrapResult:
 
     prompts = load_training_prompts(cfg)
     texts = [render_prompt(p, template=TEMPLATE) + " " + p.metadata["solution"] for p in prompts]
-    tokenizer = train_tokenizer(texts, vocab_size=cfg.vocab_size)
+    tokenizer = train_tokenizer(texts, vocab_size=cfg.vocab_size, pad_to_multiple_of=cfg.vocab_multiple)
     tokenizer_dir = save_tokenizer(tokenizer, directory / "tokenizer")
     examples = [encode_example(tokenizer, render_prompt(p, template=TEMPLATE), p.metadata["solution"]) for p in prompts]
     longest = max(len(ids) for ids, _ in examples)
