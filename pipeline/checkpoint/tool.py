@@ -417,14 +417,28 @@ def _tokenizer_files(folder: Path) -> list[Path]:
     return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
 
 
+def tokenizer_candidates(step_dir: Path) -> list[Path]:
+    """Where a checkpoint's tokenizer may live, in order: the manifest's ``tokenizer`` pointer
+    (relative to the step; the bootstrap stage records one), ``<step>/tokenizer/``,
+    ``<run>/tokenizer/`` (where hf-to-megatron puts it), then the run's parent's."""
+    candidates = []
+    manifest_path = step_dir / "manifest.json"
+    if manifest_path.is_file():
+        pointer = json.loads(manifest_path.read_text()).get("tokenizer")
+        if isinstance(pointer, str):
+            candidates.append((step_dir / pointer).resolve())
+    run_dir = step_dir.parent
+    return [*candidates, step_dir / TOKENIZER_DIR, run_dir / TOKENIZER_DIR, run_dir.parent / TOKENIZER_DIR]
+
+
 def _find_tokenizer(explicit: str | os.PathLike[str] | None, *, step_dir: Path) -> Path | None:
-    """``--tokenizer``, else ``<step>/tokenizer/``, else ``<run>/tokenizer/`` (where hf-to-megatron puts it)."""
+    """``--tokenizer``, else the first of ``tokenizer_candidates(step_dir)`` holding tokenizer files."""
     if explicit is not None:
         folder = Path(explicit)
         if not folder.is_dir() or not _tokenizer_files(folder):
             raise CheckpointError(f"--tokenizer {folder}: not a folder holding tokenizer files")
         return folder
-    for folder in (step_dir / TOKENIZER_DIR, step_dir.parent / TOKENIZER_DIR):
+    for folder in tokenizer_candidates(step_dir):
         if folder.is_dir() and _tokenizer_files(folder):
             return folder
     return None

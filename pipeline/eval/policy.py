@@ -40,7 +40,6 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 _HF_WEIGHT_FILES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
 )
-_TOKENIZER_DIR = "tokenizer"
 
 
 class PolicyError(UserError):
@@ -168,12 +167,9 @@ def _load_winnow_checkpoint(
         spec = ModelSpec(**manifest["model_spec"])
     except (TypeError, ValueError) as error:
         raise PolicyError(f"{step_dir / 'manifest.json'}: invalid model_spec: {error}") from error
-    run_dir = step_dir.parent
-    candidates = []
-    if isinstance(manifest.get("tokenizer"), str):
-        candidates.append((step_dir / manifest["tokenizer"]).resolve())
-    candidates += [step_dir / _TOKENIZER_DIR, run_dir / _TOKENIZER_DIR, run_dir.parent / _TOKENIZER_DIR]
-    tokenizer_dir = find_tokenizer_dir(tokenizer, candidates=candidates)
+    from pipeline.checkpoint.tool import tokenizer_candidates
+
+    tokenizer_dir = find_tokenizer_dir(tokenizer, candidates=tokenizer_candidates(step_dir))
     model = _megatron_weights_as_hf(step_dir, spec=spec, context=context).to(dtype)
     return LoadedPolicy(model, _load_tokenizer(tokenizer_dir), spec, f"megatron:{step_dir.resolve()}")
 

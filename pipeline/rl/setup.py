@@ -130,7 +130,7 @@ def initial_policy(cfg: RLConfig, *, context) -> InitialPolicy:
     A Hugging Face folder is converted once with ``winnow convert hf-to-megatron``, which
     checks logit parity; starting from unverified weights is not offered.
     """
-    from pipeline.checkpoint.tool import checkpoint_spec, resolve_checkpoint
+    from pipeline.checkpoint.tool import checkpoint_spec, resolve_checkpoint, tokenizer_candidates
     from pipeline.eval.policy import is_hf_folder
     from pipeline.stages.bootstrap import run_bootstrap
 
@@ -145,9 +145,10 @@ def initial_policy(cfg: RLConfig, *, context) -> InitialPolicy:
         raise ValueError(f"policy: {cfg.policy} is a Hugging Face folder; convert it once with `winnow convert "
                          f"hf-to-megatron --hf {cfg.policy} --out DIR` (it verifies logit parity) and pass DIR")
     step_dir = resolve_checkpoint(cfg.policy)
-    tokenizer_dir = Path(cfg.tokenizer) if cfg.tokenizer else step_dir.parent / "tokenizer"
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        raise ValueError(f"tokenizer: no tokenizer.json in {tokenizer_dir}; set tokenizer=DIR")
+    candidates = [Path(cfg.tokenizer)] if cfg.tokenizer else tokenizer_candidates(step_dir)
+    tokenizer_dir = next((folder for folder in candidates if (folder / "tokenizer.json").is_file()), None)
+    if tokenizer_dir is None:
+        raise ValueError(f"tokenizer: no tokenizer.json in {', '.join(map(str, candidates))}; set tokenizer=DIR")
     return InitialPolicy(checkpoint_spec(step_dir), step_dir, tokenizer_dir)
 
 

@@ -20,14 +20,14 @@ METHODS = ["algorithm.sample_selector=d3s_cross", 'algorithm.token_weights=["d3s
            "steps=3", "optim.total_steps=3", "checkpoint.every_steps=3", "eval_set=arith?difficulty=3&size=40"]
 
 
-def _layout_worker(rank, world_size, tmp, cache, tensor_parallel, pipeline_parallel):
+def _layout_worker(rank, world_size, tmp, cache, tensor_parallel, pipeline_parallel, extra):
     from pipeline.metrics import read_metrics
     from pipeline.models.tokenizer import load_tokenizer
     from pipeline.parallel.context import ParallelContext
     from pipeline.rl.setup import initial_policy
     from pipeline.stages.rl import run_rl
 
-    cfg = _config(tmp, [*METHODS, f"bootstrap.cache_dir={cache}"])
+    cfg = _config(tmp, [*METHODS, f"bootstrap.cache_dir={cache}", *extra])
     context = ParallelContext.initialize(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                                          seed=cfg.seed)
     run_rl(cfg, context=context)
@@ -41,11 +41,20 @@ def _layout_worker(rank, world_size, tmp, cache, tensor_parallel, pipeline_paral
 @pytest.mark.distributed
 def test_tensor_and_pipeline_parallel_rl_matches_one_rank(tmp_path):
     cache = str(tmp_path / "cache")
-    single = run_distributed(_layout_worker, world_size=1, args=(str(tmp_path / "tp1"), cache, 1, 1))[0]
+    single = run_distributed(_layout_worker, world_size=1, args=(str(tmp_path / "tp1"), cache, 1, 1, []))[0]
     assert single["vocab"] % 2 == 0  # reserved tokens (bootstrap.vocab_multiple) make TP=2 possible
     rows_single = single["rows"]
-    for name, (tensor_parallel, pipeline_parallel) in {"tp2": (2, 1), "pp2": (1, 2)}.items():
-        ranks = run_distributed(_layout_worker, world_size=2, args=(str(tmp_path / name), cache, tensor_parallel, pipeline_parallel))
+    # The TP=2 run starts from the bootstrap policy exported to Hugging Face and converted back
+    # (`policy=DIR`, the path users with a GPU checkpoint take); both conversions are exact.
+    from pipeline.checkpoint.tool import hf_to_megatron, megatron_to_hf
+
+    (bootstrap,) = (tmp_path / "cache").glob("*/checkpoints")
+    megatron_to_hf(checkpoint=bootstrap, out=tmp_path / "hf", verify=False)
+    hf_to_megatron(hf=tmp_path / "hf", out=tmp_path / "converted", tensor_parallel=2, verify=False)
+    layouts = {"tp2": (2, 1, [f"policy={tmp_path / 'converted'}"]), "pp2": (1, 2, [])}
+    for name, (tensor_parallel, pipeline_parallel, extra) in layouts.items():
+        ranks = run_distributed(_layout_worker, world_size=2, args=(str(tmp_path / name), cache, tensor_parallel,
+                                                                      pipeline_parallel, extra))
         rows = ranks[0]["rows"]
         assert [row["step"] for row in rows] == [row["step"] for row in rows_single] == [0, 1, 2, 3]
         # Step 1: identical rollouts, so identical selection and the same loss up to fp32 summation order.
