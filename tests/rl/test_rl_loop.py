@@ -10,8 +10,12 @@ import torch
 from tests.distributed_utils import run_distributed
 from tests.stages.test_bootstrap import OVERRIDES as BOOTSTRAP_OVERRIDES
 
+# The tiny bootstrap policy solves no difficulty-3 problem; the format reward gives groups reward
+# variance, so the runs change weights and comparing them proves something. A 40-problem
+# held-out set: scoring 400 at steps 0 and N cost more than the 4 steps.
 RL_OVERRIDES = [
-    'data.train=["arith?difficulty=3&size=200"]', "eval_set=arith?difficulty=3&size=400", "eval_samples=1",
+    'data.train=["arith?difficulty=3&size=200"]', "reward.format_reward=0.1", "eval_set=arith?difficulty=3&size=40",
+    "eval_samples=1",
     "prompts_per_step=4", "group_size=4", "max_new_tokens=24", "steps=4", "optim.total_steps=4", "optim.lr=1e-3",
     "reward.num_workers=1", "logging.progress=false", "logging.tensorboard=false", "checkpoint.every_steps=2",
 ]
@@ -58,9 +62,10 @@ def _strip_times(rows):
 
 
 @pytest.mark.slow
-def test_resume_after_interruption_matches_uninterrupted_run(tmp_path):
-    straight = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "a"), [], None))[0]
-    resumed = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "b"), [], 2))[0]
+def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, bootstrap_cache_dir):
+    shared = [f"bootstrap.cache_dir={bootstrap_cache_dir}"]
+    straight = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "a"), shared, None))[0]
+    resumed = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "b"), shared, 2))[0]
     for name, value in straight["weights"].items():
         assert torch.equal(value, resumed["weights"][name]), name
     assert _strip_times(straight["rows"]) == _strip_times(resumed["rows"])
@@ -83,8 +88,9 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path):
     ["algorithm.budget=ada_est", "algorithm.ada_est.min_budget=2", "algorithm.ada_est.max_budget=8",
      'data.train=["arith?difficulty=1&size=6"]'],
 ])
-def test_method_combinations_run_and_log_their_metrics(tmp_path, extra):
-    outcome = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path), extra, None))[0]
+def test_method_combinations_run_and_log_their_metrics(tmp_path, bootstrap_cache_dir, extra):
+    outcome = run_distributed(_rl_worker, world_size=1, args=(
+        str(tmp_path), [f"bootstrap.cache_dir={bootstrap_cache_dir}", *extra], None))[0]
     rows = outcome["rows"]
     assert len(rows) == 5
     last = rows[-1]
@@ -115,10 +121,11 @@ DEFAULT_COMBINATION = [
 
 
 @pytest.mark.slow
-def test_default_combination_runs_and_resumes_exactly(tmp_path):
+def test_default_combination_runs_and_resumes_exactly(tmp_path, bootstrap_cache_dir):
     """DEPO + Ada-Seq-BALANCE + D³S + CW-GRPO + E3 temperature: every stateful part survives a restart."""
-    straight = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "a"), DEFAULT_COMBINATION, None))[0]
-    resumed = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "b"), DEFAULT_COMBINATION, 3))[0]
+    extra = [f"bootstrap.cache_dir={bootstrap_cache_dir}", *DEFAULT_COMBINATION]
+    straight = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "a"), extra, None))[0]
+    resumed = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "b"), extra, 3))[0]
     for name, value in straight["weights"].items():
         assert torch.equal(value, resumed["weights"][name]), name
     assert _strip_times(straight["rows"]) == _strip_times(resumed["rows"])
@@ -130,11 +137,12 @@ def test_default_combination_runs_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_old_logprobs_from_the_update_forward_trains_like_a_recompute(tmp_path):
+def test_old_logprobs_from_the_update_forward_trains_like_a_recompute(tmp_path, bootstrap_cache_dir):
     """One update per batch: π_old from the update's own pass gives the recomputed run's weights."""
-    recomputed = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "a"), ["steps=2", "optim.total_steps=2"], None))[0]
+    two_steps = [f"bootstrap.cache_dir={bootstrap_cache_dir}", "steps=2", "optim.total_steps=2"]
+    recomputed = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "a"), two_steps, None))[0]
     reused = run_distributed(_rl_worker, world_size=1, args=(
-        str(tmp_path / "b"), ["steps=2", "optim.total_steps=2", "trainer.old_logprobs=update_forward"], None))[0]
+        str(tmp_path / "b"), [*two_steps, "trainer.old_logprobs=update_forward"], None))[0]
     for name, value in recomputed["weights"].items():
         torch.testing.assert_close(reused["weights"][name], value, rtol=0, atol=1e-6, msg=name)
     assert "mismatch/mean_abs" in recomputed["rows"][-1] and "mismatch/mean_abs" not in reused["rows"][-1]
