@@ -16,7 +16,7 @@ difficulty spectrum. It maps to each generator's own config as follows (``a-b`` 
 
 Low levels have small problem spaces (``rg:lcm`` level 1 holds ~210 distinct problems,
 ``arith`` level 1 holds 162), and a set never repeats a problem: asking for more than
-a split holds raises ``ValueError`` with the number found.
+a split holds raises ``DataError`` with the number found.
 
 (fraction_simplification always uses the ``plain`` ``a/b`` style, so the knob is not
 confounded with LaTeX formatting; a factor of at least 2 makes every fraction reducible.)
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.data.loaders import normalize_text
-from pipeline.data.records import LoadReport, Prompt
+from pipeline.data.records import DataError, LoadReport, Prompt
 
 NUM_DIFFICULTY_LEVELS = 5
 SPLIT_FRACTIONS: dict[str, float] = {"train": 0.90, "validation": 0.05, "test": 0.05}
@@ -311,18 +311,19 @@ def generate_synthetic(
 
     Ids are ``"<name>/<16 hex digits of the problem text's hash>"``; metadata carries
     ``difficulty``, ``split``, ``seed`` and the generator's own fields. Raises
-    ``ValueError`` for an unknown name/split, a difficulty outside ``1..num_levels``,
-    or when the source has fewer than ``size`` distinct problems in that split.
+    ``DataError`` (a ``UserError``: the CLI prints one ``error:`` line, not a traceback) for an
+    unknown name/split, a difficulty outside ``1..num_levels``, or when the source has fewer than
+    ``size`` distinct problems in that split: each is a spec a user wrote.
     """
     if name not in SYNTHETIC_SOURCES:
-        raise ValueError(f"unknown synthetic source {name!r}; known: {sorted(SYNTHETIC_SOURCES)}")
+        raise DataError(f"unknown synthetic source {name!r}; known: {sorted(SYNTHETIC_SOURCES)}")
     source = SYNTHETIC_SOURCES[name]
     if isinstance(difficulty, bool) or not isinstance(difficulty, int) or not 1 <= difficulty <= source.num_levels:
-        raise ValueError(f"{name}: difficulty must be an integer in 1..{source.num_levels}, got {difficulty!r}")
+        raise DataError(f"{name}: difficulty must be an integer in 1..{source.num_levels}, got {difficulty!r}")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"{name}: size must be a non-negative integer, got {size!r}")
+        raise DataError(f"{name}: size must be a non-negative integer, got {size!r}")
     if split not in SPLIT_FRACTIONS:
-        raise ValueError(f"{name}: unknown split {split!r}; synthetic sources have {list(SPLITS)}")
+        raise DataError(f"{name}: unknown split {split!r}; synthetic sources have {list(SPLITS)}")
 
     report = LoadReport(source=name)
     prompts: list[Prompt] = []
@@ -353,10 +354,10 @@ def generate_synthetic(
                 )
             )
         if num_misses >= MAX_CONSECUTIVE_MISSES:
-            raise ValueError(
+            raise DataError(
                 f"{name} at difficulty {difficulty} has only about {len(prompts)} distinct problems in split "
-                f"{split!r} ({MAX_CONSECUTIVE_MISSES} draws in a row found nothing new); ask for size <= "
-                f"{len(prompts)} or a higher difficulty"
+                f"{split!r}, not {size} ({MAX_CONSECUTIVE_MISSES} draws in a row found nothing new); ask for "
+                f"size <= {len(prompts)} or a higher difficulty"
             )
     report.num_kept = len(prompts)
     report.check_balanced()

@@ -31,7 +31,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from pickle import UnpicklingError
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -141,68 +141,119 @@ class CheckpointManager:
         steps = [int(m.group(1)) for p in self.directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
         return sorted(steps)
 
-    def _barrier(self) -> None:
+    def _failed_ranks(self, failure: BaseException | None) -> dict[str, list[int]]:
+        """Every rank's failure, as ``{cause: ranks}``, the same on every rank; empty when none failed.
+
+        A collective that takes the place of a barrier, so every rank calls it at the same point:
+        a rank whose write failed used to raise alone while the others waited at the next barrier.
+        """
+        cause = None if failure is None else _describe_failure(failure)
+        causes = [cause]
         if self.world_size > 1:
-            dist.barrier()
+            causes = [None] * self.world_size
+            dist.all_gather_object(causes, cause)  # short strings from our own ranks
+        ranks_by_cause: dict[str, list[int]] = {}
+        for rank, text in enumerate(causes):
+            if text is not None:
+                ranks_by_cause.setdefault(text, []).append(rank)
+        return ranks_by_cause
+
+    def _raise_failure(self, ranks_by_cause: dict[str, list[int]], *, action: str, final: Path,
+                       tmp: Path | None, failure: BaseException | None) -> NoReturn:
+        """Raise the ``CheckpointError`` for a failed save; rank 0 first removes the partial ``tmp``."""
+        if tmp is not None and self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # on a full disk, give the space back
+        if self.world_size == 1:
+            detail = ": " + next(iter(ranks_by_cause))
+        else:  # DCP reports one writer's failure on every rank: each distinct cause once, with its ranks
+            detail = " on " + "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {text}"
+                                        for text, ranks in ranks_by_cause.items())
+        raise CheckpointError(f"{action} checkpoint {final} failed{detail}; the previous checkpoint is intact") \
+            from failure
+
+    def _agree(self, failure: BaseException | None, *, action: str, final: Path, tmp: Path | None) -> None:
+        if ranks_by_cause := self._failed_ranks(failure):
+            self._raise_failure(ranks_by_cause, action=action, final=final, tmp=tmp, failure=failure)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, *, actor, state: dict[str, Any] | None = None,
              tensors: dict[str, torch.Tensor] | None = None, metadata: dict[str, Any] | None = None) -> Path:
-        """Write checkpoint ``step`` atomically; returns its final path."""
+        """Write checkpoint ``step`` atomically; returns its final path.
+
+        A failed write raises ``CheckpointError`` on every rank, naming the ranks that failed: the
+        ranks agree after each phase (prepare, write, publish) where they used to meet at a barrier.
+        """
         final = self.step_path(step)
         tmp = final.with_name(final.name + ".tmp")
+        failure: BaseException | None = None
         if self.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)  # a previous crash mid-save
-            (tmp / "weights").mkdir(parents=True)
-            (tmp / "ranks").mkdir()
-        self._barrier()
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # a previous crash mid-save
+                (tmp / "weights").mkdir(parents=True)
+                (tmp / "ranks").mkdir()
+            except OSError as error:
+                failure = error
+        self._agree(failure, action="writing", final=final, tmp=tmp)
         model_state = actor.module.sharded_state_dict()
         sharded_state = {"model": model_state, "optimizer": actor.optimizer.sharded_state_dict(model_state)}
         try:
             dist_checkpointing.save(sharded_state, str(tmp / "weights"))
-            _write_json_atomic(
-                tmp / "ranks" / f"rank_{self.rank:05d}.json",
-                {"rng": capture_rng_state(), "schedule": actor.schedule.state_dict(),
-                 "num_skipped_steps": actor.num_skipped_steps},
-            )
-            if self.rank == 0:
-                _write_json_atomic(tmp / "state.json", {"step": step, **(state or {})})
-                save_file({k: v.contiguous() for k, v in (tensors or {}).items()}, str(tmp / "tensors.safetensors"))
+        except CheckpointException as error:
+            failure = error  # DCP gathered its writers' failures and raised on every rank
         except _WRITE_FAILURES as error:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # on a full disk, give the space back
-            raise CheckpointError(
-                f"writing checkpoint {final} failed: {_describe_failure(error)}; the previous checkpoint is intact"
-            ) from error
-        self._barrier()
+            # megatron writes common.pt and metadata.json on rank 0 alone, between DCP's collectives:
+            # the other ranks wait for it inside megatron, where no agreement reaches them. They stop
+            # when this process exits (torchrun then ends the job).
+            self._raise_failure({_describe_failure(error): [self.rank]}, action="writing", final=final,
+                                tmp=tmp, failure=error)
+        if failure is None:
+            try:
+                _write_json_atomic(
+                    tmp / "ranks" / f"rank_{self.rank:05d}.json",
+                    {"rng": capture_rng_state(), "schedule": actor.schedule.state_dict(),
+                     "num_skipped_steps": actor.num_skipped_steps},
+                )
+                if self.rank == 0:
+                    _write_json_atomic(tmp / "state.json", {"step": step, **(state or {})})
+                    save_file({k: v.contiguous() for k, v in (tensors or {}).items()}, str(tmp / "tensors.safetensors"))
+            except _WRITE_FAILURES as error:
+                failure = error
+        self._agree(failure, action="writing", final=final, tmp=tmp)
         if self.rank == 0:
-            self.publish(tmp, final, step, {**actor.checkpoint_metadata(), **(metadata or {})})
-        self._barrier()
+            try:
+                self._publish(tmp, final, step, {**actor.checkpoint_metadata(), **(metadata or {})})
+            except OSError as error:
+                failure = error
+        # A failed publish keeps the complete .tmp (nothing names it; the next save replaces it).
+        self._agree(failure, action="finishing", final=final, tmp=None)
         return final
 
     def publish(self, tmp: Path, final: Path, step: int, metadata: dict[str, Any]) -> None:
         """Write the manifest of the finished ``tmp`` directory, rename it to ``final``, update ``latest``."""
         try:
-            files = {}
-            for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                size = path.stat().st_size
-                entry: dict[str, Any] = {"size": size}
-                if size <= HASHED_FILE_LIMIT:
-                    entry["sha256"] = _sha256(path)
-                files[str(path.relative_to(tmp))] = entry
-            _write_json_atomic(tmp / "manifest.json", {"step": step, "world_size": self.world_size,
-                                                       "files": files, **metadata})
-            if final.exists():
-                shutil.rmtree(final)  # re-saving the same step (e.g. after a resume)
-            tmp.rename(final)
-            pointer = self.directory / "latest"
-            pointer_tmp = self.directory / "latest.tmp"
-            pointer_tmp.write_text(final.name + "\n")
-            pointer_tmp.replace(pointer)
+            self._publish(tmp, final, step, metadata)
         except OSError as error:
             raise CheckpointError(f"finishing checkpoint {final} failed: {error}; the previous checkpoint is intact") from error
+
+    def _publish(self, tmp: Path, final: Path, step: int, metadata: dict[str, Any]) -> None:
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            size = path.stat().st_size
+            entry: dict[str, Any] = {"size": size}
+            if size <= HASHED_FILE_LIMIT:
+                entry["sha256"] = _sha256(path)
+            files[str(path.relative_to(tmp))] = entry
+        _write_json_atomic(tmp / "manifest.json", {"step": step, "world_size": self.world_size,
+                                                   "files": files, **metadata})
+        if final.exists():
+            shutil.rmtree(final)  # re-saving the same step (e.g. after a resume)
+        tmp.rename(final)
+        pointer = self.directory / "latest"
+        pointer_tmp = self.directory / "latest.tmp"
+        pointer_tmp.write_text(final.name + "\n")
+        pointer_tmp.replace(pointer)
         for old in self.list_steps()[: -self.keep_last]:
             shutil.rmtree(self.step_path(old), ignore_errors=True)
 

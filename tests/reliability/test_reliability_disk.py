@@ -175,3 +175,86 @@ def test_disk_full_mid_run_stops_the_stage_with_the_cause_and_the_relaunch_resum
     assert outcome["at_failure"] == {"entries": ["latest", "step_00000002"], "newest": "step_00000002"}
     assert outcome["steps"] == [0, 1, 2, 3, 4]  # resumed at 2; the rows of steps 3-4 were replaced, not doubled
     assert outcome["latest"] == "step_00000004"
+
+
+@contextmanager
+def failing_rank_file(*, rank: int):
+    """The kernel refuses (EFBIG) the write of this rank's own ``ranks/rank_N.json`` and nothing else:
+    every other rank and every other file of this rank, megatron's and DCP's included, is written."""
+    import pipeline.trainer.checkpoint as checkpoint
+
+    original = checkpoint._write_json_atomic
+
+    def write(path, payload):
+        if path.name == f"rank_{rank:05d}.json":
+            with file_size_limit(0):
+                return original(path, payload)
+        return original(path, payload)
+
+    checkpoint._write_json_atomic = write
+    try:
+        yield
+    finally:
+        checkpoint._write_json_atomic = original
+
+
+# Each fault hits one rank of two: the other rank's writes succeed, and it must still learn of the failure.
+ONE_RANK_FAULTS = {"rank 1's own JSON file": (1, lambda: failing_rank_file(rank=1)),
+                   "rank 0's publishing rename": (0, read_only_publish)}
+
+
+def _one_rank_fails_worker(rank, world_size, directory):
+    from pipeline.errors import CheckpointError
+    from pipeline.trainer.checkpoint import CheckpointManager, load_model_weights
+
+    actor = _actor(1, 1, micro_batch_tokens=10_000)
+    fresh = _actor(1, 1, micro_batch_tokens=10_000, context=actor.context)
+    saved = _weights(actor.module)
+    outcomes = {}
+    for name, (failing_rank, fault) in ONE_RANK_FAULTS.items():
+        manager = CheckpointManager(Path(directory) / name, keep_last=3, rank=rank, world_size=world_size)
+        manager.save(1, actor=actor)
+        try:
+            if rank == failing_rank:
+                with fault():
+                    manager.save(2, actor=actor)
+            else:
+                manager.save(2, actor=actor)
+            message = None
+        except CheckpointError as error:
+            message = str(error)
+        actor.context.barrier()  # every rank has left save() before rank 0 reads the directory
+        newest = manager.newest_valid()
+        with torch.no_grad():  # the weights must come from the checkpoint
+            for parameter in fresh.module.parameters():
+                parameter.add_(1.0)
+        load_model_weights(newest, fresh.module)
+        outcomes[name] = {
+            "message": message, "newest": newest.name,
+            "restored": all(torch.equal(saved[k], v) for k, v in _weights(fresh.module).items()),
+            "entries": sorted(p.name for p in manager.directory.iterdir()),
+            "latest": (manager.directory / "latest").read_text().strip(),
+        }
+        actor.context.barrier()  # both ranks have looked before the next save changes the directory
+        outcomes[name]["recovered"] = manager.save(2, actor=actor).name  # the fault gone, both save again
+    return outcomes
+
+
+@pytest.mark.distributed
+def test_a_write_failure_on_one_rank_raises_on_every_rank_naming_it(tmp_path):
+    # Before the fix the healthy rank waited forever at the barrier after the failed write or
+    # publish: the run's timeout, not an assertion, would fail this test.
+    outcomes = run_distributed(_one_rank_fails_worker, world_size=2, timeout_s=180, args=(str(tmp_path),))
+    for name, (failing_rank, _) in ONE_RANK_FAULTS.items():
+        messages = [outcome[name]["message"] for outcome in outcomes]
+        assert messages[0] is not None and messages[0] == messages[1], (name, messages)  # every rank, one story
+        assert f"failed on rank {failing_rank}: " in messages[0], messages[0]
+        assert "step_00000002" in messages[0] and "the previous checkpoint is intact" in messages[0], messages[0]
+        assert ("Read-only file system" if "publish" in name else "File too large") in messages[0], messages[0]
+        for outcome in (o[name] for o in outcomes):
+            assert outcome["latest"] == "step_00000001" and outcome["newest"] == "step_00000001", name
+            assert outcome["restored"], name
+            # A failed write gives its partial directory back; a failed rename leaves the complete one.
+            partial = ["step_00000002.tmp"] if "publish" in name else []
+            assert outcome["entries"] == ["latest", "step_00000001", *partial], name
+            assert outcome["recovered"] == "step_00000002", name

@@ -42,11 +42,14 @@ from tests.stages.test_bootstrap import OVERRIDES as BOOTSTRAP_OVERRIDES
 REPO = Path(__file__).resolve().parents[2]
 NUM_STEPS = 6
 PROMPTS_PER_STEP = 4  # from RL_OVERRIDES
+# The tiny bootstrap policy solves no difficulty-3 problem: every group has zero reward variance,
+# so without a format reward RL changes no weight and comparing final weights would prove nothing.
+TRAINING_SIGNAL = ["reward.format_reward=0.1"]
 # After the tiny-run overrides of tests/rl: more steps, so an interrupted run has steps
 # left to resume, and a small held-out set: its evaluation at steps 0 and N dominates a tiny run.
 EXTRA_OVERRIDES = [
     f"steps={NUM_STEPS}", f"optim.total_steps={NUM_STEPS}", "checkpoint.every_steps=2",
-    "eval_set=arith?difficulty=3&size=40",
+    "eval_set=arith?difficulty=3&size=40", *TRAINING_SIGNAL,
 ]
 STARTUP_TIMEOUT_S = 300.0  # imports, bootstrap cache check, first evaluation on a loaded CI machine
 STOP_TIMEOUT_S = 120.0  # a signal waits for the current step (generate, grade, update) and a checkpoint
@@ -142,15 +145,16 @@ def checkpoint_tensors(step_dir: Path, scratch: Path) -> dict[str, torch.Tensor]
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def _final_weights(tmp: Path) -> dict[str, torch.Tensor]:
-    return checkpoint_tensors(tmp / "ckpt" / f"step_{NUM_STEPS:08d}", tmp)
+def _final_weights(tmp: Path, num_steps: int) -> dict[str, torch.Tensor]:
+    return checkpoint_tensors(tmp / "ckpt" / f"step_{num_steps:08d}", tmp)
 
 
-def _assert_same_outcome(tmp: Path, reference: Path) -> None:
+def _assert_same_outcome(tmp: Path, reference: Path, *, num_steps: int = NUM_STEPS) -> None:
+    """``tmp`` (an interrupted and resumed run) ended exactly as ``reference`` (an uninterrupted one)."""
     rows = _rows(tmp)
-    assert [row["step"] for row in rows] == list(range(NUM_STEPS + 1))  # no step lost or logged twice
+    assert [row["step"] for row in rows] == list(range(num_steps + 1))  # no step lost or logged twice
     assert _strip_times(rows) == _strip_times(_rows(reference))
-    expected, actual = _final_weights(reference), _final_weights(tmp)
+    expected, actual = _final_weights(reference, num_steps), _final_weights(tmp, num_steps)
     assert expected.keys() == actual.keys() and expected
     for name, value in expected.items():
         assert torch.equal(value, actual[name]), name
@@ -163,12 +167,12 @@ def _assert_same_outcome(tmp: Path, reference: Path) -> None:
         expected_column = expected_stats.column(name).to_numpy()
         assert np.array_equal(actual_column, expected_column, equal_nan=actual_column.dtype.kind == "f"), name
     num_seen = stats.column("num_seen").to_pylist()
-    # The train split holds more than NUM_STEPS * PROMPTS_PER_STEP prompts: one epoch, so each
+    # The train split holds more than num_steps * PROMPTS_PER_STEP prompts: one epoch, so each
     # drawn prompt is seen exactly once; a replayed or skipped step would break the count.
-    assert len(num_seen) > NUM_STEPS * PROMPTS_PER_STEP
-    assert sum(num_seen) == NUM_STEPS * PROMPTS_PER_STEP and max(num_seen) == 1
+    assert len(num_seen) > num_steps * PROMPTS_PER_STEP
+    assert sum(num_seen) == num_steps * PROMPTS_PER_STEP and max(num_seen) == 1
     seen_steps = sorted(s for s in stats.column("last_seen_step").to_pylist() if s >= 0)
-    assert seen_steps == sorted(list(range(NUM_STEPS)) * PROMPTS_PER_STEP)
+    assert seen_steps == sorted(list(range(num_steps)) * PROMPTS_PER_STEP)
     assert not list((tmp / "ckpt").glob("*.tmp"))
 
 

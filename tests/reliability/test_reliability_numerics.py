@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.distributed_utils import run_distributed
-from tests.reliability.test_reliability_interruptions import checkpoint_tensors
+from tests.reliability.test_reliability_interruptions import TRAINING_SIGNAL, checkpoint_tensors
 from tests.rl.test_rl_loop import _config
 
 NUM_STEPS = 4  # from RL_OVERRIDES
@@ -38,8 +38,8 @@ EXTRA_OVERRIDES = ["checkpoint.every_steps=1", "checkpoint.keep_last=10", "train
 
 
 def tiny_rl_config(tmp: str, cache_dir: str, extra: list[str]):
-    """The tiny RL config of ``tests/rl`` on the session's bootstrap cache; ``extra`` wins."""
-    return _config(tmp, [f"bootstrap.cache_dir={cache_dir}", *extra])
+    """The tiny RL config of ``tests/rl`` on the session's bootstrap cache, with a training signal; ``extra`` wins."""
+    return _config(tmp, [f"bootstrap.cache_dir={cache_dir}", *TRAINING_SIGNAL, *extra])
 
 
 class _InfiniteGradient(torch.autograd.Function):
