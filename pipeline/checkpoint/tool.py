@@ -38,18 +38,15 @@ import math
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import time
-import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
-import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from pipeline.checkpoint.convert import copy_into_model, hf_to_megatron_state, megatron_to_hf_state
@@ -66,6 +63,7 @@ from pipeline.checkpoint.hf_io import (
 from pipeline.checkpoint.hf_map import MegatronLayout, expected_hf_shapes, expected_megatron_shapes
 from pipeline.errors import UserError
 from pipeline.models.spec import ModelSpec
+from pipeline.parallel.launch import RankFailure, free_port, run_ranks
 
 # megatron-core and transformers take seconds to import: they are imported where used, so
 # that registering these commands keeps `winnow --help` fast.
@@ -263,12 +261,6 @@ def load_model_weights(path: str | os.PathLike[str], module: torch.nn.Module) ->
 # ---------------------------------------------------------------- megatron in this process
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def _single_rank_megatron() -> Iterator[None]:
     """A one-rank megatron layout for this process: reused if the process already has one."""
@@ -304,7 +296,7 @@ def _single_rank_megatron() -> Iterator[None]:
         world_size=1,
         local_rank=0,
         master_addr="127.0.0.1",
-        master_port=_free_port(),
+        master_port=free_port(),
     )
     try:
         yield
@@ -742,6 +734,7 @@ def hf_to_megatron(
 
 def _layout_worker(
     rank: int,
+    result_dir: str,
     world_size: int,
     tensor_parallel: int,
     pipeline_parallel: int,
@@ -749,64 +742,57 @@ def _layout_worker(
     step_dir: str,
     spec_fields: dict[str, Any],
     input_ids: torch.Tensor,
-    result_dir: str,
 ) -> None:
     """One rank of the layout check: build its shard, load the checkpoint, run the pipeline forward.
 
-    Positional parameters: ``torch.multiprocessing`` passes ``rank`` first and ``args`` after it.
+    Positional parameters, as ``run_ranks`` passes them: ``rank``, ``result_dir``, then its ``args``.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from pipeline.parallel.context import ParallelContext
 
+    # Ranks share the machine's cores: more threads per rank only adds contention.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    context = ParallelContext.initialize(
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+        seed=GATE_SEED,
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     try:
-        # Ranks share the machine's cores: more threads per rank only adds contention.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        context = ParallelContext.initialize(
-            tensor_parallel=tensor_parallel,
-            pipeline_parallel=pipeline_parallel,
-            seed=GATE_SEED,
-            rank=rank,
-            world_size=world_size,
-            local_rank=rank,
-            master_addr="127.0.0.1",
-            master_port=port,
-        )
-        try:
-            model = _build_model(ModelSpec(**spec_fields), parallel_context=context)
-            _load_step_weights(Path(step_dir), model)
-            device = next(model.parameters()).device
-            tokens, position_ids, causal_mask = _megatron_inputs(input_ids, device)
-            collected: list[torch.Tensor] = []
+        model = _build_model(ModelSpec(**spec_fields), parallel_context=context)
+        _load_step_weights(Path(step_dir), model)
+        device = next(model.parameters()).device
+        tokens, position_ids, causal_mask = _megatron_inputs(input_ids, device)
+        collected: list[torch.Tensor] = []
 
-            def forward_step(data_iterator: Iterator[torch.Tensor], stage_model: torch.nn.Module):
-                output = stage_model(next(data_iterator), position_ids, causal_mask)
+        def forward_step(data_iterator: Iterator[torch.Tensor], stage_model: torch.nn.Module):
+            output = stage_model(next(data_iterator), position_ids, causal_mask)
 
-                def keep_logits(logits: torch.Tensor):
-                    collected.append(logits.float().cpu())  # (B, T, V / TP)
-                    return logits.sum() * 0.0, {}
+            def keep_logits(logits: torch.Tensor):
+                collected.append(logits.float().cpu())  # (B, T, V / TP)
+                return logits.sum() * 0.0, {}
 
-                return output, keep_logits
+            return output, keep_logits
 
-            with torch.no_grad():
-                get_forward_backward_func()(
-                    forward_step_func=forward_step,
-                    data_iterator=iter([tokens]),
-                    model=[model],
-                    num_microbatches=1,
-                    seq_length=tokens.shape[1],
-                    micro_batch_size=tokens.shape[0],
-                    forward_only=True,
-                )
-            if context.is_pipeline_last:
-                torch.save(collected[0], Path(result_dir) / f"logits_tp{context.tp_rank:04d}.pt")
-        finally:
-            context.destroy()
-    except BaseException as error:
-        # First line: the error itself (the parent quotes it); then the traceback.
-        message = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-        (Path(result_dir) / f"rank{rank:05d}.err").write_text(message)
-        raise
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter([tokens]),
+                model=[model],
+                num_microbatches=1,
+                seq_length=tokens.shape[1],
+                micro_batch_size=tokens.shape[0],
+                forward_only=True,
+            )
+        if context.is_pipeline_last:
+            torch.save(collected[0], Path(result_dir) / f"logits_tp{context.tp_rank:04d}.pt")
+    finally:
+        context.destroy()
 
 
 def _layout_logits(
@@ -821,39 +807,20 @@ def _layout_logits(
     """(B, T, V) logits of ``step_dir`` loaded on tp x pp spawned gloo ranks (vocab shards concatenated)."""
     world_size = tensor_parallel * pipeline_parallel
     where = f"TP={tensor_parallel}, PP={pipeline_parallel}"
-    with tempfile.TemporaryDirectory(prefix="winnow-convert-") as result_dir:
-        # spawn, not fork: a fresh interpreter per rank; the caller's entry point must
-        # guard its main code with `if __name__ == "__main__":` (winnow and tools/ do).
-        processes = mp.start_processes(
-            _layout_worker,
-            args=(world_size, tensor_parallel, pipeline_parallel, _free_port(), str(step_dir), spec.to_dict(),
-                  input_ids, result_dir),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not processes.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"layout check under {where} did not finish within {timeout_s:.0f} s")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-            failures = sorted(Path(result_dir).glob("rank*.err"))
-            detail = failures[0].read_text() if failures else str(error)
-            _say(detail)  # the failing rank's traceback, for a bug report
-            raise CheckpointError(
-                f"loading the checkpoint under {where} failed on "
-                f"{failures[0].stem if failures else 'a rank'}: {_first_lines(detail, 1)}"
-            ) from None
-        finally:
-            for process in processes.processes:
-                if process.is_alive():
-                    process.terminate()
-            for process in processes.processes:
-                process.join(timeout=5)
-        shards = sorted(Path(result_dir).glob("logits_tp*.pt"))
-        assert len(shards) == tensor_parallel, f"expected {tensor_parallel} logit shards, got {len(shards)}"
-        return torch.cat([torch.load(path, weights_only=True) for path in shards], dim=-1)  # (B, T, V)
+    try:
+        with run_ranks(_layout_worker, args=(world_size, tensor_parallel, pipeline_parallel, free_port(),
+                                             str(step_dir), spec.to_dict(), input_ids),
+                       num_ranks=world_size, timeout_s=timeout_s, description=f"layout check under {where}") as result_dir:
+            shards = sorted(result_dir.glob("logits_tp*.pt"))
+            assert len(shards) == tensor_parallel, f"expected {tensor_parallel} logit shards, got {len(shards)}"
+            return torch.cat([torch.load(path, weights_only=True) for path in shards], dim=-1)  # (B, T, V)
+    except TimeoutError as error:
+        raise CheckpointError(str(error)) from None
+    except RankFailure as failure:
+        _say(failure.detail)  # the failing rank's traceback, for a bug report
+        raise CheckpointError(
+            f"loading the checkpoint under {where} failed on {failure.rank_name}: {_first_lines(failure.detail, 1)}"
+        ) from None
 
 
 # ---------------------------------------------------------------- command line

@@ -44,18 +44,17 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+
+from pipeline.parallel.launch import free_port, run_ranks
 
 LOSS_RTOL = 1e-4
 
@@ -97,23 +96,18 @@ class Job:
     seed: int
     port: int
     weights_path: str  # the TP=1 initial full state dict, written by the first TP=1 run
-    result_dir: str
 
 
-def _rank_main(rank: int, job: Job) -> None:
-    """One spawned rank. Positional: ``torch.multiprocessing`` passes the rank first."""
+def _rank_main(rank: int, result_dir: str, job: Job) -> None:
+    """One spawned rank; ``run_ranks`` passes ``rank`` and ``result_dir`` first."""
     # megatron warns once per process about missing TE/Apex kernels: once per rank per run buries the table.
     warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex|Apex) (are|is) not installed")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     # Advice for CUDA streams; there are none on CPU.
     warnings.filterwarnings("ignore", message="When using async grad allreduce")
-    try:
-        torch.set_num_threads(job.threads_per_rank)
-        result = _time_rank(rank=rank, job=job)
-        (Path(job.result_dir) / f"rank{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        (Path(job.result_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    torch.set_num_threads(job.threads_per_rank)
+    result = _time_rank(rank=rank, job=job)
+    (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def _time_rank(*, rank: int, job: Job) -> dict[str, Any]:
@@ -167,38 +161,14 @@ def _time_rank(*, rank: int, job: Job) -> dict[str, Any]:
         context.destroy()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_layout(job_fields: dict[str, Any], *, layout: Layout, threads: int, timeout_s: float) -> list[dict[str, Any]]:
     """Spawn ``layout``'s ranks, wait for them, and return each rank's result (rank order)."""
     if threads % layout.num_ranks:
         raise ValueError(f"threads: {threads} do not split evenly over {layout.name}'s {layout.num_ranks} ranks")
-    with tempfile.TemporaryDirectory(prefix="winnow-bench-parallel-") as result_dir:
-        job = Job(layout=layout, threads_per_rank=threads // layout.num_ranks, port=_free_port(),
-                  result_dir=result_dir, **job_fields)
-        # spawn, not fork: a fresh interpreter per rank, with no torch threads or megatron state inherited.
-        processes = mp.start_processes(_rank_main, args=(job,), nprocs=layout.num_ranks, join=False,
-                                       start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not processes.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{layout.name} did not finish within {timeout_s:.0f} s (hung collective?)")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-            failures = sorted(Path(result_dir).glob("rank*.err"))
-            detail = "\n".join(f"--- {path.stem} ---\n{path.read_text()}" for path in failures)
-            raise RuntimeError(f"{layout.name} failed:\n{detail or error}") from None
-        finally:
-            for process in processes.processes:
-                if process.is_alive():
-                    process.terminate()
-            for process in processes.processes:
-                process.join(timeout=5)
-        return [json.loads((Path(result_dir) / f"rank{rank}.json").read_text()) for rank in range(layout.num_ranks)]
+    job = Job(layout=layout, threads_per_rank=threads // layout.num_ranks, port=free_port(), **job_fields)
+    with run_ranks(_rank_main, args=(job,), num_ranks=layout.num_ranks, timeout_s=timeout_s,
+                   description=layout.name) as result_dir:
+        return [json.loads((result_dir / f"rank{rank}.json").read_text()) for rank in range(layout.num_ranks)]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

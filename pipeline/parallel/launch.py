@@ -1,0 +1,87 @@
+"""Spawned gloo ranks inside one command: a layout check of the converter, the TP/PP benchmark.
+
+``run_ranks`` starts ``num_ranks`` fresh interpreters (spawn, not fork: no torch
+threads, megatron state or CUDA context inherited), waits for them with a deadline,
+and turns a failure into one exception that names the rank and carries its
+traceback. Each rank gets ``(rank, result_dir, *args)``; it writes what it returns
+into ``result_dir`` (a temporary folder that lives until ``run_ranks``' block ends).
+The caller's entry point must guard its main code with ``if __name__ == "__main__":``
+— spawned ranks re-import it.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["RankFailure", "free_port", "run_ranks"]
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank raised or died; ``rank_name`` is e.g. ``rank00001``, ``detail`` its traceback."""
+
+    def __init__(self, message: str, *, rank_name: str, detail: str) -> None:
+        super().__init__(message)
+        self.rank_name = rank_name
+        self.detail = detail
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (the rendezvous of a fresh process group)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _error_path(result_dir: str, rank: int) -> Path:
+    return Path(result_dir) / f"rank{rank:05d}.err"
+
+
+def _guarded_rank(rank: int, worker: Callable[..., None], result_dir: str, *args: Any) -> None:
+    """One spawned rank: run ``worker`` and leave its error where the parent reads it."""
+    try:
+        worker(rank, result_dir, *args)
+    except BaseException as error:
+        # First line: the error itself (callers quote it); then the traceback.
+        _error_path(result_dir, rank).write_text(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+        raise
+
+
+@contextmanager
+def run_ranks(worker: Callable[..., None], *, args: tuple[Any, ...], num_ranks: int, timeout_s: float,
+              description: str) -> Iterator[Path]:
+    """Run ``worker(rank, result_dir, *args)`` on ``num_ranks`` spawned ranks; yield ``result_dir``.
+
+    ``worker`` and ``args`` must be picklable (a module-level function, plain data).
+    Raises ``TimeoutError`` past ``timeout_s`` (a hung collective) and ``RankFailure``
+    when a rank raises or dies; every rank still alive is terminated either way.
+    """
+    with tempfile.TemporaryDirectory(prefix="winnow-ranks-") as result_dir:
+        processes = mp.start_processes(_guarded_rank, args=(worker, result_dir, *args), nprocs=num_ranks,
+                                       join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not processes.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{description} did not finish within {timeout_s:.0f} s (hung collective?)")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            failures = sorted(Path(result_dir).glob("rank*.err"))
+            rank_name = failures[0].stem if failures else "a rank"
+            detail = failures[0].read_text() if failures else str(error)
+            raise RankFailure(f"{description} failed on {rank_name}: {detail.splitlines()[0] if detail else error}",
+                              rank_name=rank_name, detail=detail) from None
+        finally:
+            for process in processes.processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in processes.processes:
+                process.join(timeout=5)
+        yield Path(result_dir)
