@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast clean-venv
+.PHONY: install demo test test-fast test-campaign clean-venv
 
 install: $(STAMP)
 
@@ -30,7 +30,11 @@ test: install
 	$(BIN)/python -m pytest
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not campaign"
+
+# Acceptance runs on the default demo policy (~20 min with a cold bootstrap cache); not in CI.
+test-campaign: install
+	$(BIN)/python -m pytest -m campaign tests/campaign
 
 clean-venv:
 	rm -rf $(VENV)
