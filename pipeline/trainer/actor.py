@@ -301,7 +301,8 @@ class Actor:
         learning_rate = self.schedule.apply(self.optimizer)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        _, outputs, _ = self._run(batch, loss=loss, temperature=temperature, forward_only=False)
+        # Only the last pipeline stage gets loss outputs; every stage runs all the micro-batches.
+        micros, outputs, _ = self._run(batch, loss=loss, temperature=temperature, forward_only=False)
         metrics = self._reduce_metrics(outputs)
         finite = torch.tensor(
             [float(math.isfinite(metrics.get("loss", 0.0)) and self._grads_finite())], dtype=torch.float32
@@ -312,10 +313,10 @@ class Actor:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             logger.warning("non-finite loss or gradient: step skipped (%d so far)", self.num_skipped_steps)
-            return StepResult(metrics.get("loss", float("nan")), float("nan"), True, learning_rate, len(outputs), metrics)
+            return StepResult(metrics.get("loss", float("nan")), float("nan"), True, learning_rate, len(micros), metrics)
         _, grad_norm, _ = self.optimizer.step()
         self.schedule.step()
-        return StepResult(metrics.get("loss", 0.0), float(grad_norm), False, learning_rate, len(outputs), metrics)
+        return StepResult(metrics.get("loss", 0.0), float(grad_norm), False, learning_rate, len(micros), metrics)
 
     def _grads_finite(self) -> bool:
         # One read of each gradient and one host sync: a sum is NaN/inf whenever an element

@@ -112,6 +112,9 @@ def test_parallel_layouts_match_single_rank(reference, tp, pp):
     for outcome in outcomes:
         _assert_same_trajectory(outcome, result)
         torch.testing.assert_close(outcome["logprobs"], result["logprobs"], rtol=1e-4, atol=1e-5)
+    # Every rank, the first pipeline stage included (it gets no loss outputs), ran the same micro-batches.
+    micro_batches = [outcome["micro_batches"] for outcome in outcomes]
+    assert micro_batches == [micro_batches[0]] * len(outcomes) and micro_batches[0] > 1
 
 
 def _precision_worker(rank, world_size, precision, fp8):
