@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Iterator
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from pipeline.parallel.launch import free_port
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +22,7 @@ def megatron_single_rank() -> Iterator[Any]:
         world_size=1,
         local_rank=0,
         master_addr="127.0.0.1",
-        master_port=_free_port(),
+        master_port=free_port(),
         backend="gloo",
     )
     try:

@@ -248,11 +248,9 @@ def test_launch_reports_a_server_that_exits(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(20)
 def test_attach_gives_up_at_the_deadline() -> None:
-    import socket
+    from pipeline.parallel.launch import free_port
 
-    with socket.socket() as sock:  # a port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # nothing listens on it
     config = SGLangClientConfig(startup_timeout_s=1.0, health_poll_s=0.1, probe_timeout_s=0.5, show_progress=False)
     with pytest.raises(RolloutError, match="not healthy within 1s"):
         SGLangEngine.attach([f"http://127.0.0.1:{port}"], config=config)
