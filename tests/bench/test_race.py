@@ -99,6 +99,13 @@ def test_method_names_come_from_the_recipe_registry():
         race.method_names(["grpo_cpu", "no_such_recipe"])
 
 
+def test_each_recipe_keeps_its_own_group_size_unless_the_race_sets_one(tmp_path):
+    own = race.RaceSettings(out=tmp_path)
+    assert [race.method_config(m, 0, own).group_size for m in ("grpo_n4_cpu", "grpo_cpu", "grpo_n16_cpu")] == [4, 8, 16]
+    forced = race.RaceSettings(out=tmp_path, group_size=8)
+    assert race.method_config("grpo_n4_cpu", 0, forced).group_size == 8
+
+
 def test_command_lines_parse():
     args = race.parse_args(["--methods", "grpo_cpu", "d3s_cpu", "--seeds", "2", "--steps", "20",
                             "--eval-prompts", "600", "--eval-samples", "16", "--out", "x", "--set", "optim.lr=1e-3"])

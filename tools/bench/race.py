@@ -59,7 +59,7 @@ COST_KEYS = ("steps", "tokens_generated", "tokens_with_gradient", "wall_s")
 class RaceSettings:
     out: Path
     steps: int = 100
-    group_size: int = 8
+    group_size: int | None = None  # None: each recipe's own G (grpo_n4_cpu is G = 4)
     eval_every: int = 25
     eval_set: str = "arith?difficulty=3&size=1000"
     eval_prompts: int = 500
@@ -126,7 +126,8 @@ def method_config(method: str, seed: int, settings: RaceSettings):
     from recipes.cpu import RECIPES
 
     run_dir = settings.run_dir(method, seed)
-    base = RECIPES[method](steps=settings.steps, group_size=settings.group_size)
+    group = {} if settings.group_size is None else {"group_size": settings.group_size}
+    base = RECIPES[method](steps=settings.steps, **group)
     return configlib.load(RLConfig, base=base, overrides=[
         f"seed={seed}", f"logging.output_dir={run_dir}", f"checkpoint.directory={run_dir}/checkpoints",
         # A checkpoint at every evaluation point is what a resumed race restarts from.
@@ -439,7 +440,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"recipe names from recipes.cpu.RECIPES and/or {MORE_SFT} (default: all)")
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
     parser.add_argument("--steps", type=int, default=100, help="RL steps per run (the shared budget)")
-    parser.add_argument("--group-size", type=int, default=8, help="G passed to every recipe")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="G passed to every recipe (default: each recipe's own, e.g. 4 for grpo_n4_cpu)")
     parser.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations "
                         "(default: steps/4)")
     parser.add_argument("--eval-set", default="arith?difficulty=3&size=1000", help="held-out source (test split)")
