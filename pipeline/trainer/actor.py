@@ -87,6 +87,23 @@ def _finalize_grads_without_token_scaling(models, num_tokens=None, **kwargs):
     return finalize_model_grads(models, None, **kwargs)
 
 
+def use_fused_adam(optimizer) -> None:
+    """Run megatron's torch Adam fallback through torch's fused kernel.
+
+    Without Transformer Engine or Apex megatron builds ``torch.optim.AdamW`` with
+    torch's default implementation, on CPU about ten tensor ops per parameter;
+    the fused kernel (CPU and CUDA) updates each parameter in one pass, the same
+    update up to float rounding. The flag lives in the param groups, which an
+    optimizer checkpoint overwrites, so the checkpoint loader calls this again
+    after loading (a checkpoint written before the flag existed would otherwise
+    turn it off). TE's and Apex's fused Adams are left alone.
+    """
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(wrapper.optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+            for group in wrapper.optimizer.param_groups:
+                group["foreach"], group["fused"] = False, True
+
+
 def _causal_mask(length: int) -> torch.Tensor:
     # megatron's convention: True = masked. Always explicit: without one megatron
     # builds its causal mask on device="cuda".
@@ -145,6 +162,7 @@ class Actor:
             ),
             [self.model],
         )
+        use_fused_adam(self.optimizer)
         self.schedule = LearningRateSchedule(optim)
 
     @property

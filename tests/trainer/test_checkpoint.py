@@ -18,7 +18,14 @@ def _weights(actor) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in actor.module.state_dict().items() if not k.endswith("_extra_state")}
 
 
+def _adam_groups(actor) -> list[dict]:
+    optimizer = actor.optimizer
+    return [group for wrapper in getattr(optimizer, "chained_optimizers", [optimizer])
+            for group in wrapper.optimizer.param_groups]
+
+
 def _resume_worker(rank, world_size, directory):
+    from pipeline.trainer.actor import use_fused_adam
     from pipeline.trainer.checkpoint import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
 
@@ -27,7 +34,11 @@ def _resume_worker(rank, world_size, directory):
     actor = _actor(1, 1, micro_batch_tokens=10_000)
     for _ in range(2):
         actor.train_step(batch, loss)
+    # Saved as a checkpoint from before the fused Adam kernel: loading must select it again.
+    for group in _adam_groups(actor):
+        group["fused"] = group["foreach"] = None
     manager.save(2, actor=actor, state={"data_position": 17}, tensors={"counts": torch.arange(4)})
+    use_fused_adam(actor.optimizer)
     # Uninterrupted: two more steps, with fresh random draws after the save.
     uninterrupted = [actor.train_step(batch, loss).loss for _ in range(2)]
     draw_after_save = torch.rand(3)
@@ -44,7 +55,8 @@ def _resume_worker(rank, world_size, directory):
     return {"uninterrupted": uninterrupted, "resumed": resumed, "same_weights": same_weights,
             "rng_equal": torch.equal(draw_after_save, draw_after_load), "step": loaded.step,
             "state": loaded.state, "counts": loaded.tensors["counts"],
-            "schedule": fresh.schedule.state_dict()}
+            "schedule": fresh.schedule.state_dict(),
+            "kernels": {(group["fused"], group["foreach"]) for group in _adam_groups(fresh)}}
 
 
 def test_resume_is_bit_identical(tmp_path):
@@ -55,6 +67,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert result["step"] == 2 and result["state"] == {"data_position": 17}
     assert result["counts"].tolist() == [0, 1, 2, 3]
     assert result["schedule"] == {"step_count": 4}
+    assert result["kernels"] == {(True, False)}
     assert (tmp_path / "latest").read_text().strip() == "step_00000002"
 
 

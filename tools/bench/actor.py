@@ -7,14 +7,19 @@ token batch, fp32, the same thread count, SDPA attention on both sides, the same
 loss (mean next-token NLL over the 8 × 255 targets; the actor also computes the
 entropy metric, HF does not), Adam with the same hyper-parameters (megatron
 builds ``torch.optim.AdamW`` with weight decay 0, i.e. Adam) and gradient
-clipping at 1.0. The actor never materializes logits beyond one chunk of its
-log-prob head; it is timed twice: with a chunk that covers the micro-batch (one
-``(tokens, vocab)`` float32 buffer, less than the three such tensors HF's
-cross-entropy keeps, and no recomputation in backward) and with
-``--logprob-chunk`` tokens per chunk (default 1,024, the TrainerConfig default:
-three chunks here, each recomputed in backward). It then times one Megatron → HF
-weight sync into the local rollout engine and prints it as a share of the
-Megatron step (target ≤ 10%).
+clipping at 1.0. The actor runs its Adam through torch's fused kernel
+(``pipeline/trainer/actor.py``); HF is timed twice, with ``torch.optim.Adam``'s
+default implementation (the headline, as in earlier measurements) and with
+``fused=True``, what HF's ``Trainer`` uses by default on torch ≥ 2.8
+(``adamw_torch_fused``): the like-for-like comparison.
+
+The actor never materializes logits beyond one chunk of its log-prob head; it
+is timed twice: with a chunk that covers the micro-batch (one ``(tokens,
+vocab)`` float32 buffer, less than the three such tensors HF's cross-entropy
+keeps, and no recomputation in backward) and with ``--logprob-chunk`` tokens per
+chunk (default 1,024, the TrainerConfig default: three chunks here, each
+recomputed in backward). It then times one Megatron → HF weight sync into the
+local rollout engine and prints it as a share of the Megatron step (target ≤ 10%).
 
     .venv/bin/python tools/bench/actor.py [--hidden 512 --layers 4 --batch 8 --seq 256 --repeats 5]
 """
@@ -72,10 +77,7 @@ def main() -> None:
     batch = TrainBatch(tokens=tokens, response_mask=response_mask)
     loss = CrossEntropyLoss()
 
-    hf_model = build_hf_model(spec).train()
-    hf_optimizer = torch.optim.Adam(hf_model.parameters(), lr=1e-4)
-
-    def hf_step() -> None:
+    def hf_step(hf_model: torch.nn.Module, hf_optimizer: torch.optim.Optimizer) -> None:
         hf_optimizer.zero_grad(set_to_none=True)
         logits = hf_model(input_ids=tokens).logits[:, :-1]  # (B, T-1, V)
         value = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
@@ -83,7 +85,12 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(hf_model.parameters(), 1.0)
         hf_optimizer.step()
 
-    steps = {name: functools.partial(each.train_step, batch, loss) for name, each in actors.items()} | {"hf": hf_step}
+    hf_steps = {}
+    for name, fused in (("hf", False), ("hf fused", True)):
+        hf_model = build_hf_model(spec).train()
+        hf_steps[name] = functools.partial(hf_step, hf_model, torch.optim.Adam(hf_model.parameters(), lr=1e-4,
+                                                                              fused=fused))
+    steps = {name: functools.partial(each.train_step, batch, loss) for name, each in actors.items()} | hf_steps
     wall: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():  # warm-up
@@ -99,7 +106,7 @@ def main() -> None:
     # load-robust estimates (waiting for a core is not work); the median is the headline.
     fastest = {name: min(values) for name, values in wall.items()}
     cpu_fastest = {name: min(values) for name, values in cpu.items()}
-    megatron, hf = medians["one chunk"], medians["hf"]
+    megatron, hf, hf_fused = medians["one chunk"], medians["hf"], medians["hf fused"]
 
     engine = LocalEngine(build_hf_model(spec), show_progress=False)
     sync_times = []
@@ -112,12 +119,15 @@ def main() -> None:
     num_parameters = sum(p.numel() for p in actor.module.parameters())
     print(f"model: {num_parameters / 1e6:.1f}M parameters, batch {args.batch} × {args.seq}, fp32, {args.threads} threads")
     print("step time: median wall (fastest wall, fastest CPU time) and ratios to HF")
+    labels = {"hf": "HF LlamaForCausalLM step", "hf fused": "HF step, fused Adam (HF Trainer's default)"}
     for name in steps:
-        label = "HF LlamaForCausalLM step" if name == "hf" else f"megatron actor step, head in {name}"
+        label = labels.get(name, f"megatron actor step, head in {name}")
         print(f"{label:47s}: {medians[name] * 1e3:8.1f} ms ({fastest[name] * 1e3:.1f}, {cpu_fastest[name] * 1e3:.1f})"
               f" = {medians[name] / hf:.3f}× ({fastest[name] / fastest['hf']:.3f}×, "
               f"{cpu_fastest[name] / cpu_fastest['hf']:.3f}×)")
     print(f"ratio megatron / HF (one chunk)                : {megatron / hf:8.3f}  (target ≤ 1.0)")
+    print(f"ratio megatron / HF with fused Adam (one chunk): {megatron / hf_fused:8.3f}  "
+          f"({fastest['one chunk'] / fastest['hf fused']:.3f}×, {cpu_fastest['one chunk'] / cpu_fastest['hf fused']:.3f}×)")
     print(f"weight sync to engine                          : {sync * 1e3:8.1f} ms = "
           f"{100 * sync / megatron:.1f}% of a train step (target ≤ 10%)")
 
