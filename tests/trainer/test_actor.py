@@ -237,14 +237,19 @@ def test_policy_gradient_raises_positive_and_lowers_negative_advantage_sequences
     assert (change[0::2] > 0).all() and (change[1::2] < 0).all(), change
 
 
+def _adam_groups(actor) -> list[dict]:
+    """The torch param groups under megatron's (possibly chained) optimizer wrapper."""
+    optimizer = actor.optimizer
+    return [group for wrapper in getattr(optimizer, "chained_optimizers", [optimizer])
+            for group in wrapper.optimizer.param_groups]
+
+
 def _fused_adam_worker(rank, world_size):
     from pipeline.trainer.losses import CrossEntropyLoss
 
     first = _actor(1, 1, micro_batch_tokens=10_000, lr=1e-3)
     actors = [first, _actor(1, 1, micro_batch_tokens=10_000, lr=1e-3, context=first.context)]
-    optimizer = actors[1].optimizer
-    groups = [group for wrapper in getattr(optimizer, "chained_optimizers", [optimizer])
-              for group in wrapper.optimizer.param_groups]
+    groups = _adam_groups(actors[1])
     kernels = {(group["fused"], group["foreach"]) for group in groups}
     for group in groups:  # the second actor runs torch's default (foreach) Adam
         group["fused"] = group["foreach"] = None

@@ -11,17 +11,11 @@ import pytest
 import torch
 
 from tests.distributed_utils import run_distributed
-from tests.trainer.test_actor import _actor, _batch
+from tests.trainer.test_actor import _actor, _adam_groups, _batch
 
 
 def _weights(actor) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in actor.module.state_dict().items() if not k.endswith("_extra_state")}
-
-
-def _adam_groups(actor) -> list[dict]:
-    optimizer = actor.optimizer
-    return [group for wrapper in getattr(optimizer, "chained_optimizers", [optimizer])
-            for group in wrapper.optimizer.param_groups]
 
 
 def _resume_worker(rank, world_size, directory):
