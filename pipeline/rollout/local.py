@@ -35,6 +35,7 @@ match. Matching strings is inherently per row; it runs only when stop strings ar
 
 from __future__ import annotations
 
+import inspect
 from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
@@ -112,6 +113,9 @@ class LocalEngine:
         if not (0 <= pad_token_id < self._vocab_size):
             raise ValueError(f"pad_token_id {pad_token_id} is outside the vocabulary [0, {self._vocab_size})")
         self.model = model.eval()
+        # transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns, and goes in 5.40);
+        # earlier 5.x releases only know the old one.
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._pad_token_id = int(pad_token_id)
         self._max_positions: int | None = getattr(config, "max_position_embeddings", None)
         self._device = next(model.parameters()).device
@@ -276,9 +280,9 @@ class LocalEngine:
             input_ids=input_ids,
             attention_mask=prompt_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_argument: cache},
         )
         row_to_slot = torch.tensor([slot_of_request[r] for r, _ in chunk], dtype=torch.long, device=device)  # (B,)
         cache.reorder_cache(row_to_slot)
@@ -325,8 +329,8 @@ class LocalEngine:
                 input_ids=torch.where(active, tokens, pad)[:, None],
                 attention_mask=attention_mask,
                 position_ids=next_position[:, None],
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache_argument: cache},
             )
             next_position = next_position + 1
             logits = output.logits[:, -1, :]

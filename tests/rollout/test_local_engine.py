@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import pytest
@@ -101,6 +102,15 @@ def test_seeded_sampling_is_deterministic_and_seed_dependent() -> None:
     # The samples of one prompt differ from each other (each row draws its own noise).
     first = run(5)
     assert len({tuple(row) for row in first[:3]}) > 1
+
+
+def test_generation_passes_the_kv_cache_under_the_name_transformers_takes() -> None:
+    # transformers ≥ 5.24 warns on forward(past_key_values=...) and will drop it; older 5.x only know that name.
+    engine = LocalEngine(tiny_llama(), show_progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        completions = engine.generate(_requests(ragged_prompts(2), 2), SamplingParams(max_new_tokens=4, seed=0))
+    assert len(completions) == 4 and all(c.num_tokens == 4 for c in completions)
 
 
 def test_ragged_sample_counts_and_order() -> None:
