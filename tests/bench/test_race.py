@@ -23,16 +23,18 @@ def _point(step, pass1, tokens, gradient_tokens, wall, pass8=None):
     return point
 
 
-def _run(curve):
-    return {"curve": curve, "final": curve[-1]}
+def _run(curve, *, first_step_entropy=None, final_entropy=None):
+    if final_entropy is not None:
+        curve[-1]["entropy"] = final_entropy
+    return {"curve": curve, "final": curve[-1], "first_step_entropy": first_step_entropy}
 
 
 RESULTS = {
     "grpo_cpu": {
         0: _run([_point(0, 0.30, 0, 0, 0.0), _point(10, 0.40, 1000, 500, 10.0),
-                 _point(20, 0.50, 2000, 1000, 20.0, pass8=0.80)]),
+                 _point(20, 0.50, 2000, 1000, 20.0, pass8=0.80)], first_step_entropy=0.50, final_entropy=0.25),
         1: _run([_point(0, 0.30, 0, 0, 0.0), _point(10, 0.45, 1100, 550, 12.0),
-                 _point(20, 0.60, 2200, 1100, 24.0, pass8=0.90)]),
+                 _point(20, 0.60, 2200, 1100, 24.0, pass8=0.90)], first_step_entropy=0.40, final_entropy=0.30),
     },
     "d3s_cpu": {
         0: _run([_point(0, 0.30, 0, 0, 0.0), _point(10, 0.56, 800, 200, 9.0),
@@ -62,12 +64,16 @@ def test_summary_ratios_match_hand_computed_values():
     assert d3s["final"]["pass@8"]["ratio"] == pytest.approx({"mean": 0.95, "min": 0.8, "max": 1.1, "n": 2})
     grpo = summary["methods"]["grpo_cpu"]
     assert all(grpo["to_target"][key]["ratio"]["mean"] == pytest.approx(1.0) for key in race.COST_KEYS)
+    # Entropy kept: the last window's mean over the first step's, per seed (0.25/0.50 and 0.30/0.40).
+    assert grpo["entropy_retained"] == pytest.approx({"mean": 0.625, "min": 0.5, "max": 0.75, "n": 2})
+    assert d3s["entropy_retained"]["n"] == 0  # no entropy recorded: no ratio, not a zero
     sft = summary["methods"]["more_sft"]
     assert sft["to_target"]["tokens_generated"]["ratio"]["n"] == 0  # SFT generates no rollouts
     assert sft["to_target"]["wall_s"]["ratio"] == pytest.approx({"mean": 1.0, "min": 1.0, "max": 1.0, "n": 1})
     assert sft["to_target"]["tokens_with_gradient"]["per_seed"] == {0: 5000}
     table = race.format_table(summary)
     assert "0.75× [0.50–1.00]" in table and "1/1" in table
+    assert table.splitlines()[2].endswith("0.62× [0.50–0.75]")  # GRPO's row ends with its entropy kept
 
 
 def test_default_target_is_grpo_final_mean_and_unreached_seeds_have_no_ratio():
@@ -169,6 +175,8 @@ def test_tiny_race_writes_results_and_resumes(tmp_path):
         assert 0 < curve[1]["tokens_generated"] < curve[2]["tokens_generated"]
         assert 0 < curve[1]["wall_s"] < curve[2]["wall_s"]
         assert all(0.0 <= point["pass@1"] <= 1.0 and "pass@8" not in point for point in curve)  # 2 samples
+        assert curve[0]["entropy"] is None and all(point["entropy"] > 0 for point in curve[1:])
+        assert report["runs"][method]["0"]["first_step_entropy"] == pytest.approx(curve[1]["entropy"])  # 1-step window
         assert (tmp_path / "race" / "results" / method / "seed0.json").is_file()
     # D³S keeps 2 of 4 samples at the start: fewer tokens carry gradient than GRPO's at equal rollouts.
     d3s_final, grpo_final = report["runs"]["d3s_cpu"]["0"]["final"], report["runs"]["grpo_cpu"]["0"]["final"]

@@ -23,6 +23,12 @@ used with the same seed, evaluated at GRPO's evaluation times. It generates no
 rollouts, so its rollout-token columns are empty; its "tokens with gradient" are the
 supervised tokens.
 
+Each evaluation point also records the policy's mean token entropy over the steps
+since the previous point (the RL loop's logged ``entropy``, at the sampling
+temperature); a method's "entropy end/start" is the last window's mean over its
+first step's entropy (E3's H_init), the quantity E3's temperature scheduler claims
+to keep near 1 (its Fig. 1; with annealing, near η = 0.9) where GRPO's falls.
+
 For each method: steps, rollout tokens, tokens with gradient and wall time to first
 reach the target held-out pass@1 (``--target``; default GRPO's final pass@1, averaged
 over seeds), measured at the evaluation points (no interpolation), and the final
@@ -145,14 +151,17 @@ def _read_curve(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _costs_at(metrics_rows: list[dict[str, Any]], step: int) -> dict[str, float]:
-    """Cumulative costs after ``step`` RL steps, from run_rl's metrics rows (row 0 is the initial evaluation)."""
+def _costs_at(metrics_rows: list[dict[str, Any]], step: int, *, since: int) -> dict[str, float]:
+    """Cumulative costs after ``step`` RL steps, from run_rl's metrics rows (row 0 is the initial evaluation),
+    and the policy's mean token entropy over the steps after ``since`` (the previous evaluation point)."""
     trained = [row for row in metrics_rows if 1 <= row["step"] <= step]
     assert [row["step"] for row in trained] == list(range(1, step + 1)), "metrics.jsonl misses steps"
     last = trained[-1] if trained else {}
     wall = sum(value for row in trained for key, value in row.items() if key.startswith("time/"))
+    window = [row["entropy"] for row in trained[since:]]
     return {"steps": step, "tokens_generated": last.get("ledger/tokens_generated", 0),
-            "tokens_with_gradient": last.get("ledger/tokens_with_gradient", 0), "wall_s": wall}
+            "tokens_with_gradient": last.get("ledger/tokens_with_gradient", 0), "wall_s": wall,
+            "entropy": statistics.fmean(window) if window else None}
 
 
 def base_scores(settings: RaceSettings, *, context, heldout, pool) -> dict[str, float]:
@@ -195,7 +204,8 @@ def run_rl_method(method: str, seed: int, *, settings: RaceSettings, context, he
     curve = [row for row in _read_curve(curve_path) if row["step"] <= done]
     if not curve:
         curve = [{**base_scores(settings, context=context, heldout=heldout, pool=pool),
-                  "steps": 0, "tokens_generated": 0, "tokens_with_gradient": 0, "wall_s": 0.0, "step": 0}]
+                  "steps": 0, "tokens_generated": 0, "tokens_with_gradient": 0, "wall_s": 0.0, "entropy": None,
+                  "step": 0}]
     started = time.perf_counter()
 
     tokenizer_dir = run_bootstrap(cfg.bootstrap, context=context).tokenizer_dir  # RL checkpoints carry none
@@ -206,7 +216,8 @@ def run_rl_method(method: str, seed: int, *, settings: RaceSettings, context, he
                                 num_samples=settings.eval_samples, max_new_tokens=cfg.max_new_tokens,
                                 temperature=cfg.temperature, seed=settings.eval_seed, pool=pool,
                                 template=cfg.data.template)
-        curve.append({**scores, **_costs_at(read_metrics(run_dir / "metrics.jsonl"), step), "step": step})
+        costs = _costs_at(read_metrics(run_dir / "metrics.jsonl"), step, since=curve[-1]["step"])
+        curve.append({**scores, **costs, "step": step})
         curve_path.write_text("".join(json.dumps(row) + "\n" for row in curve))
 
     if done > curve[-1]["step"]:  # stopped after training a chunk, before scoring it
@@ -217,8 +228,10 @@ def run_rl_method(method: str, seed: int, *, settings: RaceSettings, context, he
         if done < target_step:  # run_rl honoured SIGTERM/SIGUSR1 and checkpointed early
             raise SystemExit(f"[race] {method} seed {seed} stopped at step {done}; rerun the race to resume")
         evaluate_checkpoint(done)
+    # E3's H_init (Eq. 4): the entropy of the first batch, what its temperature scheduler holds the policy to.
+    first_step = next(row for row in read_metrics(run_dir / "metrics.jsonl") if row["step"] == 1)
     return {"method": method, "seed": seed, "curve": curve, "final": curve[-1],
-            "bench_seconds": time.perf_counter() - started}
+            "first_step_entropy": first_step["entropy"], "bench_seconds": time.perf_counter() - started}
 
 
 def run_more_sft(seed: int, *, settings: RaceSettings, context, heldout, pool,
@@ -255,7 +268,8 @@ def run_more_sft(seed: int, *, settings: RaceSettings, context, heldout, pool,
     order: list[int] = []
     loss = CrossEntropyLoss()
     curve = [{**base_scores(settings, context=context, heldout=heldout, pool=pool),
-              "steps": 0, "tokens_generated": None, "tokens_with_gradient": 0, "wall_s": 0.0, "step": 0}]
+              "steps": 0, "tokens_generated": None, "tokens_with_gradient": 0, "wall_s": 0.0, "entropy": None,
+              "step": 0}]
     wall, num_tokens, step = 0.0, 0, 0
     started = time.perf_counter()
     for checkpoint_wall in eval_wall_s:
@@ -275,7 +289,7 @@ def run_more_sft(seed: int, *, settings: RaceSettings, context, heldout, pool,
                                 temperature=cfg.temperature, seed=settings.eval_seed, pool=pool,
                                 template=cfg.data.template)
         curve.append({**scores, "steps": step, "tokens_generated": None, "tokens_with_gradient": num_tokens,
-                      "wall_s": wall, "step": step})
+                      "wall_s": wall, "entropy": None, "step": step})
     return {"method": MORE_SFT, "seed": seed, "curve": curve, "final": curve[-1],
             "bench_seconds": time.perf_counter() - started}
 
@@ -324,6 +338,9 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]], *, target: float | 
             values = {seed: run["final"].get(key) for seed, run in runs.items()}
             ratios = [_ratio(values[seed], results[BASELINE].get(seed, {}).get("final", {}).get(key)) for seed in runs]
             row["final"][key] = {"per_seed": values, "value": spread(list(values.values())), "ratio": spread(ratios)}
+        # E3's claim (Fig. 1): GRPO's entropy falls, the temperature scheduler keeps it near H_init.
+        retained = [_ratio(run["final"].get("entropy"), run.get("first_step_entropy")) for run in runs.values()]
+        row["entropy_retained"] = spread(retained)
         methods[method] = row
     return {"target_pass@1": target, "baseline": BASELINE, "methods": methods}
 
@@ -339,7 +356,7 @@ def _format_ratio(entry: dict[str, Any]) -> str:
 
 def format_table(summary: dict[str, Any]) -> str:
     header = ["method", "reached", "steps→target", "rollout tok→target", "grad tok→target", "wall→target",
-              "final pass@1", "final pass@8"]
+              "final pass@1", "final pass@8", "entropy end/start"]
     lines = [f"target held-out pass@1: {summary['target_pass@1']:.4f} (ratios: per-seed vs {BASELINE}, "
              "mean [min–max])", " | ".join(header)]
     for method, row in summary["methods"].items():
@@ -348,7 +365,8 @@ def format_table(summary: dict[str, Any]) -> str:
             entry = row["final"][f"pass@{k}"]
             finals.append("—" if entry["value"]["n"] == 0 else f"{entry['value']['mean']:.3f} ({_format_ratio(entry)})")
         lines.append(" | ".join([method, f"{row['reached']}/{len(row['seeds'])}",
-                                 *(_format_ratio(row["to_target"][key]) for key in COST_KEYS), *finals]))
+                                 *(_format_ratio(row["to_target"][key]) for key in COST_KEYS), *finals,
+                                 _format_ratio({"ratio": row["entropy_retained"]})]))
     return "\n".join(lines)
 
 
