@@ -1,4 +1,4 @@
-"""The TP/PP layout benchmark end to end on a toy model: three layouts timed, first-step losses agree.
+"""The TP/PP layout benchmark end to end on a toy model: three layouts timed, first-step losses agree, report written.
 
 Runtime: ~20 s on 2 idle cores (seven spawned ranks, each importing megatron), more under load: slow.
 """
@@ -16,11 +16,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 def test_three_layouts_time_the_same_model(tmp_path):
-    out = tmp_path / "parallel.json"
-    parallel.main(["--hidden", "32", "--layers", "2", "--heads", "4", "--vocab", "64", "--batch", "2", "--seq", "16",
-                   "--repeats", "1", "--rounds", "1", "--out", str(out)])
+    returned = parallel.main(["--hidden", "32", "--layers", "2", "--heads", "4", "--vocab", "64", "--batch", "2",
+                              "--seq", "16", "--repeats", "1", "--rounds", "1", "--out", str(tmp_path)])
 
-    result = json.loads(out.read_text())
+    report = json.loads((tmp_path / "parallel.json").read_text())
+    assert report["settings"]["threads"] == report["machine"]["threads"] == 2
+    assert (tmp_path / "parallel.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = report["results"]
+    assert result == json.loads(json.dumps(returned))
     layouts = result["layouts"]
     assert set(layouts) == {"TP=1", "TP=2", "PP=2"}
     for name, entry in layouts.items():

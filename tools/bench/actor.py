@@ -20,6 +20,7 @@ keeps, and no recomputation in backward) and with ``--logprob-chunk`` tokens per
 chunk (default 1,024, the TrainerConfig default: three chunks here, each
 recomputed in backward). It then times one Megatron → HF weight sync into the
 local rollout engine and prints it as a share of the Megatron step (target ≤ 10%).
+Writes ``<out>/actor.json`` and ``<out>/actor.png`` (step times, ratios to HF, sync share).
 
     .venv/bin/python tools/bench/actor.py [--hidden 512 --layers 4 --batch 8 --seq 256 --repeats 5]
 """
@@ -29,12 +30,22 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
+if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools.bench.report import Panel, save  # noqa: E402
 
-def main() -> None:
+RATIO_TARGET = 1.0  # megatron step / HF step
+SYNC_SHARE_TARGET = 0.10  # weight sync / megatron step
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
@@ -45,7 +56,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per chunk of the second actor")
-    args = parser.parse_args()
+    parser.add_argument("--out", default="runs/bench/actor", help="output directory")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     from pipeline.config import OptimConfig, TrainerConfig
@@ -117,19 +129,50 @@ def main() -> None:
     sync = statistics.median(sync_times)
 
     num_parameters = sum(p.numel() for p in actor.module.parameters())
+    labels = {"hf": "HF LlamaForCausalLM step", "hf fused": "HF step, fused Adam (HF Trainer's default)"}
+    labels |= {name: f"megatron actor step, head in {name}" for name in actors}
+    results = {
+        "num_parameters": num_parameters,
+        "steps": {name: {"label": labels[name], "median_s": medians[name], "fastest_s": fastest[name],
+                         "fastest_cpu_s": cpu_fastest[name], "ratio_median": medians[name] / hf,
+                         "ratio_fastest": fastest[name] / fastest["hf"],
+                         "ratio_fastest_cpu": cpu_fastest[name] / cpu_fastest["hf"],
+                         "wall_s": wall[name], "cpu_s": cpu[name]} for name in steps},
+        "ratio_megatron_hf": megatron / hf, "ratio_megatron_hf_target": RATIO_TARGET,
+        "ratio_megatron_hf_fused": megatron / hf_fused,
+        "ratio_megatron_hf_fused_fastest": fastest["one chunk"] / fastest["hf fused"],
+        "ratio_megatron_hf_fused_fastest_cpu": cpu_fastest["one chunk"] / cpu_fastest["hf fused"],
+        "sync_s": sync, "sync_times_s": sync_times, "sync_share": sync / megatron,
+        "sync_share_target": SYNC_SHARE_TARGET,
+    }
     print(f"model: {num_parameters / 1e6:.1f}M parameters, batch {args.batch} × {args.seq}, fp32, {args.threads} threads")
     print("step time: median wall (fastest wall, fastest CPU time) and ratios to HF")
-    labels = {"hf": "HF LlamaForCausalLM step", "hf fused": "HF step, fused Adam (HF Trainer's default)"}
-    for name in steps:
-        label = labels.get(name, f"megatron actor step, head in {name}")
-        print(f"{label:47s}: {medians[name] * 1e3:8.1f} ms ({fastest[name] * 1e3:.1f}, {cpu_fastest[name] * 1e3:.1f})"
-              f" = {medians[name] / hf:.3f}× ({fastest[name] / fastest['hf']:.3f}×, "
-              f"{cpu_fastest[name] / cpu_fastest['hf']:.3f}×)")
-    print(f"ratio megatron / HF (one chunk)                : {megatron / hf:8.3f}  (target ≤ 1.0)")
+    for name, entry in results["steps"].items():
+        print(f"{entry['label']:47s}: {entry['median_s'] * 1e3:8.1f} ms ({entry['fastest_s'] * 1e3:.1f}, "
+              f"{entry['fastest_cpu_s'] * 1e3:.1f}) = {entry['ratio_median']:.3f}× ({entry['ratio_fastest']:.3f}×, "
+              f"{entry['ratio_fastest_cpu']:.3f}×)")
+    print(f"ratio megatron / HF (one chunk)                : {megatron / hf:8.3f}  (target ≤ {RATIO_TARGET:.1f})")
     print(f"ratio megatron / HF with fused Adam (one chunk): {megatron / hf_fused:8.3f}  "
-          f"({fastest['one chunk'] / fastest['hf fused']:.3f}×, {cpu_fastest['one chunk'] / cpu_fastest['hf fused']:.3f}×)")
+          f"({results['ratio_megatron_hf_fused_fastest']:.3f}×, {results['ratio_megatron_hf_fused_fastest_cpu']:.3f}×)")
     print(f"weight sync to engine                          : {sync * 1e3:8.1f} ms = "
-          f"{100 * sync / megatron:.1f}% of a train step (target ≤ 10%)")
+          f"{100 * sync / megatron:.1f}% of a train step (target ≤ {100 * SYNC_SHARE_TARGET:g}%)")
+
+    short = {"hf": "HF", "hf fused": "HF, fused Adam"} | {name: f"megatron, head in {name}" for name in actors}
+    panels = [
+        Panel(title="train step time (median of the repeats)", xlabel="ms per step",
+              bars={short[name]: medians[name] * 1e3 for name in steps},
+              markers={short[name]: fastest[name] * 1e3 for name in steps}),
+        Panel(title="megatron actor (head in one chunk) / HF step, median", xlabel="ratio (lower is faster)",
+              bars={"vs HF Adam": megatron / hf, "vs HF fused Adam": megatron / hf_fused},
+              markers={"vs HF Adam": fastest["one chunk"] / fastest["hf"],
+                       "vs HF fused Adam": fastest["one chunk"] / fastest["hf fused"]},
+              marker_label="fastest runs' ratio", lines={f"target ≤ {RATIO_TARGET:g}": RATIO_TARGET}),
+        Panel(title="weight sync to the rollout engine", xlabel="share of a megatron train step",
+              bars={"sync / step": sync / megatron}, lines={f"target ≤ {SYNC_SHARE_TARGET:g}": SYNC_SHARE_TARGET}),
+    ]
+    save(args.out, "actor", settings=vars(args), results=results, panels=panels,
+         title=f"Megatron actor vs HF train step ({num_parameters / 1e6:.1f}M params, batch {args.batch} × {args.seq})")
+    return results
 
 
 if __name__ == "__main__":

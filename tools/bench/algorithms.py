@@ -15,7 +15,8 @@ Extras: D³S cross-group sample selection (N_s = 8), D³S top-K% token selection
 The three are timed round-robin (order rotated every repeat, so drift on a shared
 machine hits all alike) after one untimed warm-up call each; prints the median of
 each, the ratios to the baseline (target ≤ 1.10 for the loop's path) and the
-median time of every extra on its own.
+median time of every extra on its own; writes them, with the fastest repeat of each, to
+``<out>/algorithms.json`` and ``<out>/algorithms.png``.
 
     .venv/bin/python tools/bench/algorithms.py [--prompts 64 --group 16 --tokens 1024 --repeats 15]
 """
@@ -24,12 +25,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from pipeline.algorithms import advantages as adv
 from pipeline.algorithms import cw_grpo, d3s, losses
+
+if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools.bench.report import Panel, save  # noqa: E402
+
+RATIO_TARGET = 1.10  # the RL loop's path / the GRPO loss
 
 
 def make_inputs(num_prompts: int, group_size: int, num_tokens: int, seed: int = 0):
@@ -101,8 +111,8 @@ def seconds(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def round_robin_medians(fns, inputs, repeats: int) -> list[float]:
-    """Median seconds of each of ``fns``, run round-robin on the same inputs."""
+def round_robin_times(fns, inputs, repeats: int) -> list[list[float]]:
+    """Seconds of each repeat of each of ``fns``, run round-robin on the same inputs."""
     times: list[list[float]] = [[] for _ in fns]
     for repeat in range(repeats + 1):  # repeat 0 warms up allocators and caches, untimed
         for offset in range(len(fns)):
@@ -111,7 +121,7 @@ def round_robin_medians(fns, inputs, repeats: int) -> list[float]:
             elapsed = seconds(fns[index], *inputs)
             if repeat:
                 times[index].append(elapsed)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def extras_breakdown(inputs, repeats: int) -> dict[str, float]:
@@ -133,28 +143,54 @@ def extras_breakdown(inputs, repeats: int) -> dict[str, float]:
     return medians
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    args = parser.parse_args()
+    parser.add_argument("--out", default="runs/bench/algorithms", help="output directory")
+    args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     inputs = make_inputs(args.prompts, args.group, args.tokens)
-    base, kept_rows, same_rows = round_robin_medians((grpo_only, d3s_cw_kept_rows, d3s_cw_same_rows),
-                                                     inputs, args.repeats)
+    paths = {"GRPO loss, all rows": grpo_only, "D³S + CW-GRPO, kept rows (RL loop)": d3s_cw_kept_rows,
+             "D³S + CW-GRPO, all rows": d3s_cw_same_rows}
+    times = dict(zip(paths, round_robin_times(tuple(paths.values()), inputs, args.repeats)))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    fastest = {name: min(t) for name, t in times.items()}
+    base, kept_rows, same_rows = medians.values()
+    extras = extras_breakdown(inputs, args.repeats)
+    results = {
+        "paths": {name: {"median_s": medians[name], "fastest_s": fastest[name], "times_s": times[name],
+                         "ratio": medians[name] / base} for name in paths},
+        "ratio_kept_rows": kept_rows / base, "ratio_kept_rows_target": RATIO_TARGET,
+        "ratio_same_rows": same_rows / base, "extras_median_s": extras,
+    }
     print(f"inputs: {args.prompts} prompts × {args.group} responses × {args.tokens} tokens, "
           f"{torch.get_num_threads()} threads")
     print(f"GRPO loss (fwd+bwd), all rows                  : {base * 1e3:8.1f} ms")
     print(f"D³S + CW-GRPO, loss on the kept rows (RL loop) : {kept_rows * 1e3:8.1f} ms"
-          f"  ratio {kept_rows / base:6.3f}  (target ≤ 1.10)")
+          f"  ratio {kept_rows / base:6.3f}  (target ≤ {RATIO_TARGET:.2f})")
     print(f"D³S + CW-GRPO, loss on all rows (added cost)   : {same_rows * 1e3:8.1f} ms"
           f"  ratio {same_rows / base:6.3f}")
-    for name, median in extras_breakdown(inputs, args.repeats).items():
+    for name, median in extras.items():
         print(f"  {name:34s}: {median * 1e3:8.2f} ms")
+
+    panels = [
+        Panel(title="GRPO loss fwd+bwd, with and without the D³S + CW-GRPO extras (median of the repeats)",
+              xlabel="ms per call", bars={name: t * 1e3 for name, t in medians.items()},
+              markers={name: t * 1e3 for name, t in fastest.items()}),
+        Panel(title="ratio to the GRPO loss over all rows, median", xlabel="ratio (lower is faster)",
+              bars={name: medians[name] / base for name in list(paths)[1:]},
+              lines={f"target ≤ {RATIO_TARGET:.2f} (RL loop)": RATIO_TARGET}),
+        Panel(title="each extra on its own, median", xlabel="ms per call",
+              bars={name: t * 1e3 for name, t in extras.items()}),
+    ]
+    save(args.out, "algorithms", settings=vars(args), results=results, panels=panels,
+         title=f"D³S + CW-GRPO overhead ({args.prompts} prompts × {args.group} responses × {args.tokens} tokens)")
+    return results
 
 
 if __name__ == "__main__":

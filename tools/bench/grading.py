@@ -12,6 +12,8 @@ Prints three measurements:
 2. the wall time of an adversarial batch (huge powers, factorials, deep nesting, a
    1 MB string, NUL bytes, unbalanced braces) against the deadline arithmetic
    ``ceil(num_timeouts / num_workers) * deadline_s + overhead_s``.
+
+Writes them to ``<out>/grading.json`` and ``<out>/grading.png``.
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ import argparse
 import math
 import os
 import random
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 from pipeline.rewards import GradingPool, Reason
+
+if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools.bench.report import Panel, save  # noqa: E402
+
+THROUGHPUT_TARGET = 500.0  # gradings/s of the pool on a typical batch (docs/benchmarks.md)
 
 _FILLER = (
     "Let us set up the problem. We have $a + b = {a}$ and $ab = {b}$, so by Vieta's "
@@ -112,7 +123,7 @@ def math_verify_baseline(pairs: list[tuple[str, str]]) -> tuple[float, list[bool
     return len(pairs) / (time.perf_counter() - start), verdicts
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -122,7 +133,8 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=2.0)
     parser.add_argument("--overhead-s", type=float, default=1.5)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument("--out", default="runs/bench/grading", help="output directory")
+    args = parser.parse_args(argv)
 
     pairs = typical_batch(args.num_items, seed=args.seed)
     start = time.perf_counter()
@@ -137,7 +149,8 @@ def main() -> None:
             f"typical batch: {len(pairs)} items, {metrics['num_fast_path']:.0f} decided by "
             f"the fast path, {metrics['num_math_verify']:.0f} sent to workers"
         )
-        print(f"pool:     {pool_rate:8.1f} gradings/s on {args.num_workers} workers")
+        print(f"pool:     {pool_rate:8.1f} gradings/s on {args.num_workers} workers "
+              f"(target ≥ {THROUGHPUT_TARGET:g})")
 
         sample = pairs[: args.baseline_items]
         baseline_rate, verdicts = math_verify_baseline(sample)
@@ -164,7 +177,32 @@ def main() -> None:
             f"{'OK' if wall_s <= bound_s else 'OVER'}"
         )
         print("  reasons: " + ", ".join(result.reason.value for result in results))
-        print(f"  worker restarts: {pool.metrics['num_worker_starts'] - args.num_workers:.0f}")
+        worker_restarts = pool.metrics["num_worker_starts"] - args.num_workers
+        print(f"  worker restarts: {worker_restarts:.0f}")
+
+    summary = {
+        "pool_startup_s": startup_s, "num_items": len(pairs), "num_fast_path": metrics["num_fast_path"],
+        "num_math_verify": metrics["num_math_verify"], "pool_gradings_per_s": pool_rate,
+        "pool_gradings_per_s_target": THROUGHPUT_TARGET, "baseline_items": len(sample),
+        "baseline_gradings_per_s": baseline_rate, "ratio": pool_rate / baseline_rate,
+        "disagreements": disagreements,
+        "adversarial": {"num_items": len(adversarial), "num_timeouts": num_timeouts, "wall_s": wall_s,
+                        "bound_s": bound_s, "within_bound": wall_s <= bound_s,
+                        "reasons": [result.reason.value for result in results],
+                        "worker_restarts": worker_restarts},
+    }
+    panels = [
+        Panel(title=f"typical batch ({len(pairs)} items; math-verify on the first {len(sample)})",
+              xlabel="gradings per second",
+              bars={f"GradingPool, {args.num_workers} workers": pool_rate,
+                    "math-verify, one process": baseline_rate},
+              lines={f"target ≥ {THROUGHPUT_TARGET:g}/s": THROUGHPUT_TARGET}),
+        Panel(title=f"adversarial batch ({len(adversarial)} items, {num_timeouts} timed out)", xlabel="wall time (s)",
+              bars={"GradingPool": wall_s}, lines={"bound: ⌈timeouts / workers⌉ × deadline + overhead": bound_s}),
+    ]
+    save(args.out, "grading", settings=vars(args), results=summary, panels=panels,
+         title=f"Grading throughput and adversarial wall time ({args.num_workers} grading workers)")
+    return summary
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ resident set right after the inputs were created; the gradients of ``hidden`` an
 apart and the "excess" is peak − gradients, to compare with one
 ``(chunk, V)`` float32 block. Both variants compute
 ``loss = Σ g₁·logp + g₂·entropy`` with the same random ``g₁, g₂`` and the parent
-checks that they agree.
+checks that they agree. Writes ``<out>/logprobs_memory.json`` and ``<out>/logprobs_memory.png``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,17 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
+
+if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools.bench.report import Panel, save  # noqa: E402
 
 MIB = 1 << 20
+# Targets of docs/benchmarks.md: chunked fwd+bwd time / materialized, and chunked excess in (chunk, V) blocks.
+TIME_RATIO_TARGET = 1.2
+EXCESS_BLOCKS_TARGET = 1.0
 
 
 def _status_bytes(field: str) -> int:
@@ -104,7 +113,7 @@ def _run_variant(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -112,12 +121,13 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", default="runs/bench/logprobs_memory", help="output directory")
     parser.add_argument("--child", choices=["chunked", "materialized"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.child:
         print(json.dumps(_run_variant(args)))
-        return
+        return None
 
     results = {}
     for variant in ("materialized", "chunked"):
@@ -146,21 +156,55 @@ def main() -> None:
           f"hidden+weight gradients: {grads_mib:.0f} MiB")
     print(f"{'variant':<14}{'fwd s':>8}{'fwd+bwd s':>11}{'peak MiB':>10}{'excess MiB':>12}{'excess/block':>14}")
     for variant, result in results.items():
-        excess = result["peak_above_inputs_mib"] - grads_mib
+        result["excess_mib"] = result["peak_above_inputs_mib"] - grads_mib
+        result["excess_blocks"] = result["excess_mib"] / block_mib
         print(
             f"{variant:<14}{result['forward_s']:>8.2f}{result['total_s']:>11.2f}"
-            f"{result['peak_above_inputs_mib']:>10.0f}{excess:>12.0f}{excess / block_mib:>14.2f}"
+            f"{result['peak_above_inputs_mib']:>10.0f}{result['excess_mib']:>12.0f}{result['excess_blocks']:>14.2f}"
         )
     chunked, materialized = results["chunked"], results["materialized"]
+    time_ratio = chunked["total_s"] / materialized["total_s"]
+    memory_ratio = chunked["peak_above_inputs_mib"] / materialized["peak_above_inputs_mib"]
     print(
-        f"chunked / materialized: time {chunked['total_s'] / materialized['total_s']:.2f}x, "
-        f"peak memory {chunked['peak_above_inputs_mib'] / materialized['peak_above_inputs_mib']:.3f}x"
+        f"chunked / materialized: time {time_ratio:.2f}x (target ≤ {TIME_RATIO_TARGET:g}), "
+        f"peak memory {memory_ratio:.3f}x; chunked excess {chunked['excess_blocks']:.2f} blocks "
+        f"(target ≤ {EXCESS_BLOCKS_TARGET:g})"
     )
-    for key in ("logprob_sum", "entropy_sum", "grad_hidden_norm", "grad_weight_norm"):
-        a, b = chunked[key], materialized[key]
-        if abs(a - b) > 1e-3 * max(1.0, abs(b)):
-            sys.exit(f"variants disagree on {key}: chunked {a} vs materialized {b}")
-    print("variants agree on log-probs, entropies and gradients (rel. tol 1e-3)")
+    disagreements = [
+        f"variants disagree on {key}: chunked {chunked[key]} vs materialized {materialized[key]}"
+        for key in ("logprob_sum", "entropy_sum", "grad_hidden_norm", "grad_weight_norm")
+        if abs(chunked[key] - materialized[key]) > 1e-3 * max(1.0, abs(materialized[key]))
+    ]
+    if not disagreements:
+        print("variants agree on log-probs, entropies and gradients (rel. tol 1e-3)")
+
+    summary = {
+        "block_mib": block_mib, "logits_mib": logits_mib, "gradients_mib": grads_mib, "variants": results,
+        "time_ratio": time_ratio, "time_ratio_target": TIME_RATIO_TARGET, "peak_memory_ratio": memory_ratio,
+        "excess_blocks_target": EXCESS_BLOCKS_TARGET, "variants_agree": not disagreements,
+    }
+    panels = [
+        Panel(title="forward + backward time (one run each)", xlabel="seconds",
+              bars={variant: result["total_s"] for variant, result in results.items()},
+              markers={variant: result["forward_s"] for variant, result in results.items()},
+              marker_label="forward only"),
+        Panel(title="peak resident memory above the inputs (log scale)", xlabel="MiB",
+              bars={variant: result["peak_above_inputs_mib"] for variant, result in results.items()},
+              lines={"hidden + weight gradients": grads_mib,
+                     f"gradients + {EXCESS_BLOCKS_TARGET:g} (chunk, V) block (target)":
+                         grads_mib + EXCESS_BLOCKS_TARGET * block_mib},
+              log_scale=True),
+        Panel(title="chunked / materialized, forward + backward", xlabel="ratio (lower is better)",
+              bars={"time": time_ratio, "peak memory": memory_ratio},
+              lines={f"time target ≤ {TIME_RATIO_TARGET:g}": TIME_RATIO_TARGET}),
+    ]
+    save(args.out, "logprobs_memory", settings={k: v for k, v in vars(args).items() if k != "child"},
+         results=summary, panels=panels, threads=args.threads or None,
+         title=f"Chunked vs materialized log-probs + entropy ({args.tokens} tokens, hidden {args.hidden}, "
+               f"vocab {args.vocab}, chunk {args.chunk_size})")
+    if disagreements:
+        sys.exit("\n".join(disagreements))
+    return summary
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ the load-robust numbers, the median is the headline). ``--rounds`` runs the thre
 layouts in turn that many times and pools the steps, so load drift is shared.
 What to expect on 2 cores: TP and PP slower than TP=1 — the cores are already busy
 with one process, and gloo adds all-reduces (TP: 2 per layer forward, 2 backward)
-or point-to-point sends plus a bubble (PP).
+or point-to-point sends plus a bubble (PP). Writes ``<out>/parallel.json`` and
+``<out>/parallel.png``.
 
     .venv/bin/python tools/bench/parallel.py [--hidden 512 --layers 4 --batch 8 --seq 256 --repeats 5 --rounds 2]
 """
@@ -45,6 +46,7 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -55,6 +57,10 @@ from typing import Any
 import torch
 
 from pipeline.parallel.launch import free_port, run_ranks
+
+if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools.bench.report import Panel, save  # noqa: E402
 
 LOSS_RTOL = 1e-4
 
@@ -185,7 +191,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads per layout, split over its ranks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per layout run")
-    parser.add_argument("--out", default="runs/bench/parallel.json")
+    parser.add_argument("--out", default="runs/bench/parallel", help="output directory")
     args = parser.parse_args(argv)
     for name in ("hidden", "layers", "heads", "vocab", "batch", "seq", "micro_batch_rows", "repeats", "rounds",
                  "threads"):
@@ -241,17 +247,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                      for loss in entry["first_step_losses"])
     num_micro = reference["num_micro_batches"]
     result = {
-        "config": vars(args) | {"spec": spec},
         "num_parameters": runs[BASELINE.name][0][0]["num_local_parameters"],
         "pp2_ideal_bubble": (2 - 1) / (num_micro + 2 - 1),
         "load_average_before": load_before, "load_average_after": load_after,
         "layouts": layouts,
         "loss_agreement": all(entry["loss_rel_diff"] <= LOSS_RTOL for entry in layouts.values()),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-
     print(f"model: {result['num_parameters']:,} parameters, batch {args.batch} × {args.seq} in {num_micro} "
           f"micro-batches of {args.micro_batch_rows} row(s), fp32, gloo, {args.threads} threads per layout, "
           f"{args.rounds} round(s) × {args.repeats} steps")
@@ -264,7 +265,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"{entry['fastest_s'] * 1e3:8.1f} {entry['fastest_cpu_s']:7.2f} {entry['ratio_median']:10.3f}× "
               f"{entry['ratio_fastest']:7.3f}× {entry['ratio_fastest_cpu']:6.3f}×   "
               f"{entry['first_step_loss']:.6f} ({entry['loss_rel_diff']:.1e})")
-    print(f"results: {out}")
+    panels = [
+        Panel(title="train step time (median over rounds × repeats)", xlabel="ms per step (slowest rank)",
+              bars={name: entry["median_s"] * 1e3 for name, entry in layouts.items()},
+              markers={name: entry["fastest_s"] * 1e3 for name, entry in layouts.items()}),
+        Panel(title="step time / TP=1's", xlabel="ratio (lower is faster)",
+              bars={name: entry["ratio_median"] for name, entry in layouts.items()},
+              markers={name: entry["ratio_fastest"] for name, entry in layouts.items()},
+              marker_label="fastest steps' ratio", lines={"TP=1 (no target: measured)": 1.0}),
+    ]
+    save(args.out, "parallel", settings=vars(args) | {"spec": spec}, results=result, panels=panels,
+         threads=args.threads, title=f"TP=2 and PP=2 vs TP=1, Megatron actor train step "
+                                     f"({result['num_parameters']:,} parameters, batch {args.batch} × {args.seq}, "
+                                     f"{args.threads} threads split over the ranks)")
     if not result["loss_agreement"]:
         bad = {name: entry["loss_rel_diff"] for name, entry in layouts.items() if entry["loss_rel_diff"] > LOSS_RTOL}
         raise LossMismatch(f"first-step losses differ from TP=1's by more than {LOSS_RTOL:g} relative: {bad}")

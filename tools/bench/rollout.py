@@ -10,19 +10,29 @@ top-k/top-p and must produce exactly ``prompts x samples x new_tokens`` tokens
 EOS anyway). ``generate`` expands each prompt ``samples`` times before prefill
 (``num_return_sequences``); the engine prefills each distinct prompt once. The two
 are timed alternately, best of ``--repeats``, after one warm-up run each, so a
-background load spike hurts both the same way.
+background load spike hurts both the same way. Writes ``<out>/rollout.json`` and
+``<out>/rollout.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.rollout.local import LocalEngine
 from pipeline.rollout.types import GenerationRequest, SamplingParams
+
+if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools.bench.report import Panel, save  # noqa: E402
+
+RATIO_TARGET = 0.90  # engine tokens/s / generate tokens/s, best runs
 
 
 def _model(args: argparse.Namespace) -> LlamaForCausalLM:
@@ -45,7 +55,7 @@ def _model(args: argparse.Namespace) -> LlamaForCausalLM:
     return model
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
@@ -58,7 +68,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument("--out", default="runs/bench/rollout", help="output directory")
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -114,12 +125,32 @@ def main() -> None:
     print(
         f"batch: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens = {num_tokens} tokens"
     )
-    rates = {}
+    sides = {}
     for name, seconds in timings.items():
+        # The median of an odd count; the upper middle of an even one.
         best, median = min(seconds), sorted(seconds)[len(seconds) // 2]
-        rates[name] = num_tokens / best
-        print(f"{name:>9}: best {best * 1e3:8.1f} ms  median {median * 1e3:8.1f} ms  {rates[name]:9.0f} tokens/s")
-    print(f"ratio engine / generate: {rates['engine'] / rates['generate']:.2f}x (target >= 0.90x)")
+        sides[name] = {"best_s": best, "median_s": median, "times_s": seconds, "tokens_per_s": num_tokens / best,
+                       "median_tokens_per_s": num_tokens / median}
+        print(f"{name:>9}: best {best * 1e3:8.1f} ms  median {median * 1e3:8.1f} ms  "
+              f"{sides[name]['tokens_per_s']:9.0f} tokens/s")
+    ratio = sides["engine"]["tokens_per_s"] / sides["generate"]["tokens_per_s"]
+    median_ratio = sides["engine"]["median_tokens_per_s"] / sides["generate"]["median_tokens_per_s"]
+    print(f"ratio engine / generate: {ratio:.2f}x (target >= {RATIO_TARGET:.2f}x)")
+
+    results = {"num_parameters": num_params, "num_tokens": num_tokens, "sides": sides, "ratio": ratio,
+               "ratio_target": RATIO_TARGET, "median_ratio": median_ratio}
+    panels = [
+        Panel(title="throughput at the median run", xlabel="tokens per second (higher is faster)",
+              bars={name: side["median_tokens_per_s"] for name, side in sides.items()},
+              markers={name: side["tokens_per_s"] for name, side in sides.items()}),
+        Panel(title="engine / generate tokens per second", xlabel="ratio (higher is faster)",
+              bars={"median runs": median_ratio, "fastest runs (headline)": ratio},
+              lines={f"target ≥ {RATIO_TARGET:.2f}": RATIO_TARGET}),
+    ]
+    save(args.out, "rollout", settings=vars(args), results=results, panels=panels,
+         title=f"Local rollout engine vs transformers generate ({args.prompts} prompts × {args.samples} samples × "
+               f"{args.new_tokens} tokens, {num_params / 1e3:.0f}k params)")
+    return results
 
 
 if __name__ == "__main__":
