@@ -42,7 +42,6 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import CheckpointException
 
 from pipeline.errors import CheckpointError
-from pipeline.trainer.actor import use_fused_adam
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +297,6 @@ class CheckpointManager:
         )
         actor.module.load_state_dict(loaded["model"])
         actor.optimizer.load_state_dict(loaded["optimizer"])
-        use_fused_adam(actor.optimizer)
         manifest = json.loads((path / "manifest.json").read_text())
         rank_file = path / "ranks" / f"rank_{self.rank:05d}.json"
         if manifest["world_size"] == self.world_size and rank_file.is_file():

@@ -237,38 +237,6 @@ def test_policy_gradient_raises_positive_and_lowers_negative_advantage_sequences
     assert (change[0::2] > 0).all() and (change[1::2] < 0).all(), change
 
 
-def _adam_groups(actor) -> list[dict]:
-    """The torch param groups under megatron's (possibly chained) optimizer wrapper."""
-    optimizer = actor.optimizer
-    return [group for wrapper in getattr(optimizer, "chained_optimizers", [optimizer])
-            for group in wrapper.optimizer.param_groups]
-
-
-def _fused_adam_worker(rank, world_size):
-    from pipeline.trainer.losses import CrossEntropyLoss
-
-    first = _actor(1, 1, micro_batch_tokens=10_000, lr=1e-3)
-    actors = [first, _actor(1, 1, micro_batch_tokens=10_000, lr=1e-3, context=first.context)]
-    groups = _adam_groups(actors[1])
-    kernels = {(group["fused"], group["foreach"]) for group in groups}
-    for group in groups:  # the second actor runs torch's default (foreach) Adam
-        group["fused"] = group["foreach"] = None
-    for actor in actors:
-        for _ in range(3):
-            actor.train_step(_batch(), CrossEntropyLoss())
-    fused, default = (dict(actor.module.named_parameters()) for actor in actors)
-    worst = max(float((fused[name] - default[name]).abs().max() / default[name].abs().max()) for name in fused)
-    return kernels, worst
-
-
-def test_adam_runs_the_fused_kernel_with_the_default_update():
-    kernels, worst = run_distributed(_fused_adam_worker, world_size=1)[0]
-    assert kernels == {(True, False)}
-    # Same seed, same weights, same batch: the two kernels differ by float rounding only
-    # (rtol as for three Adam steps in the module docstring).
-    assert worst < 2e-4, worst
-
-
 def test_the_head_chunk_follows_the_logits_buffer_budget():
     from types import SimpleNamespace
 
