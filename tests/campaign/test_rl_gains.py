@@ -15,8 +15,8 @@ which is why the test fixes the seed. The held-out estimate's standard error on 
 difference is about 0.5 point. ``MARGIN`` = 1 point.
 
 The run reproduces those numbers exactly (CPU runs are deterministic; the race's
-checkpoint-and-resume chunks do not change them). Runtime: ~7 min to bootstrap the
-policy when its cache is cold, then 13.7 min of RL and evaluation (measured on the
+checkpoint-and-resume chunks do not change them). Runtime: 2.6 min to bootstrap the
+policy when its cache is cold (idle), then 13.7 min of RL and evaluation (measured on the
 2-core machine shared with another job). Too long for the CI budget: run it with
 ``make test-campaign``.
 """
@@ -34,6 +34,10 @@ METHODS = ["grpo_cpu", "d3s_cpu", "cw_grpo_cpu", "ada_seq_balance_cpu", "e3_cpu"
 SEED = 0
 STEPS = 150
 MARGIN = 0.01  # held-out pass@1 points over the base policy, as a fraction
+# The default bootstrap scores 0.4816 here. Its outcome is chaotic in float rounding (the same config
+# trained with torch's fused Adam kernel scores 0.18; seeds 1 and 2 score 0.36 and 0.11), so a base
+# far below this means the numbers above no longer describe this machine's policy.
+BASE_FLOOR = 0.45
 
 
 def _gains_worker(rank, world_size, out):
@@ -53,6 +57,9 @@ def test_every_rl_issue_method_raises_held_out_accuracy(tmp_path):
     base = {report["runs"][method][str(SEED)]["curve"][0]["pass@1"] for method in METHODS}
     assert len(base) == 1, "every method must start from the same scored base policy"
     base_pass1 = base.pop()
+    assert base_pass1 >= BASE_FLOOR, (
+        f"the default bootstrap policy scores {base_pass1:.4f} < {BASE_FLOOR}: a different training trajectory "
+        f"than the documented one (docs/benchmarks.md, 'The base policy is fragile')")
     finals = {method: report["runs"][method][str(SEED)]["final"]["pass@1"] for method in METHODS}
     short = {method: round(final - base_pass1, 4) for method, final in finals.items() if final < base_pass1 + MARGIN}
     assert not short, f"held-out pass@1 gain below {MARGIN} over the base {base_pass1:.4f}: {short} (finals {finals})"

@@ -7,11 +7,11 @@ token batch, fp32, the same thread count, SDPA attention on both sides, the same
 loss (mean next-token NLL over the 8 × 255 targets; the actor also computes the
 entropy metric, HF does not), Adam with the same hyper-parameters (megatron
 builds ``torch.optim.AdamW`` with weight decay 0, i.e. Adam) and gradient
-clipping at 1.0. The actor runs its Adam through torch's fused kernel
-(``pipeline/trainer/actor.py``); HF is timed twice, with ``torch.optim.Adam``'s
-default implementation (the headline, as in earlier measurements) and with
-``fused=True``, what HF's ``Trainer`` uses by default on torch ≥ 2.8
-(``adamw_torch_fused``): the like-for-like comparison.
+clipping at 1.0. The actor runs torch's default (per-parameter) Adam
+implementation (``pipeline/trainer/actor.py`` says why not the fused kernel); HF
+is timed twice, with ``torch.optim.Adam``'s default implementation (the
+like-for-like headline) and with ``fused=True``, what HF's ``Trainer`` uses by
+default on torch ≥ 2.8 (``adamw_torch_fused``).
 
 The actor never materializes logits beyond one chunk of its log-prob head; it
 is timed twice: with a chunk that covers the micro-batch (one ``(tokens,
