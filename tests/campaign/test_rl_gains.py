@@ -11,14 +11,13 @@ Measured (2 cores, torch 2.13 CPU, deterministic there), seed 0 (seeds 1, 2 from
 race in docs/benchmarks.md): base 0.482; GRPO 0.514 (0.507, 0.521), D³S 0.507 (0.501,
 0.507), CW-GRPO 0.499 (0.493, 0.499), Ada-Seq-BALANCE 0.516 at its own G = 4 (0.503 when
 the race still forced G = 8), E3 0.519 (0.490, 0.517). At seed 0 the smallest gain is +1.7
-points; on seed 1 E3 gains only +0.8, which is why the test fixes the seed. The held-out estimate's standard error on a paired
-difference is about 0.5 point. ``MARGIN`` = 1 point.
+points; on seed 1 E3 gains only +0.8, which is why the test fixes the seed. The held-out
+estimate's standard error on a paired difference is about 0.5 point. ``MARGIN`` = 1 point.
 
 The run reproduces those numbers exactly (CPU runs are deterministic; the race's
-checkpoint-and-resume chunks do not change them). Runtime: 2.6 min to bootstrap the
-policy when its cache is cold (idle), then 13.7 min of RL and evaluation (measured on the
-2-core machine shared with another job; 6 min 50 s in all, idle, session 6). Too long for the CI budget: run it with
-``make test-campaign``.
+checkpoint-and-resume chunks do not change them). Runtime on 2 idle cores: 6 min 50 s with
+the bootstrap cached, plus 2.6 min to train it when the cache is cold. Too long for the CI
+budget: run it with ``make test-campaign``.
 """
 
 from __future__ import annotations
