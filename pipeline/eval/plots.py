@@ -8,10 +8,11 @@ display needed, and nothing leaks between figures in a long-running process.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from pipeline.io import atomic_write
 
 __all__ = ["plot_comparison", "plot_pass_at_k"]
 
@@ -50,13 +51,8 @@ def _style(axes, *, title: str) -> None:
 def _save(figure, path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(figure)
-    tmp = path.with_name(path.name + ".tmp")
-    figure.savefig(tmp, format="png", dpi=_FIGURE_DPI, bbox_inches="tight")
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, lambda tmp: figure.savefig(tmp, format="png", dpi=_FIGURE_DPI, bbox_inches="tight"))
 
 
 def plot_pass_at_k(results: Mapping[str, Any], path: str | Path) -> Path:

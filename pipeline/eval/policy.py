@@ -180,19 +180,16 @@ def _megatron_weights_as_hf(step_dir: Path, *, spec, context) -> torch.nn.Module
     from pipeline.checkpoint.tool import load_model_weights
     from pipeline.models.factory import build_gpt_model
     from pipeline.models.layer_spec import select_layer_spec
-    from pipeline.parallel.context import ParallelContext
+    from pipeline.parallel.rendezvous import initialize_process_context, process_group_initialized
     from pipeline.rollout.weight_sync import build_hf_model
-    from pipeline.stages.bootstrap import _single_process_rendezvous
 
     owned = context is None
     if owned:
-        if torch.distributed.is_initialized():
+        if process_group_initialized():
             raise PolicyError(
                 "this process already runs torch.distributed; pass its one-rank ParallelContext as context="
             )
-        context = ParallelContext.initialize(
-            tensor_parallel=1, pipeline_parallel=1, seed=0, backend="gloo", **_single_process_rendezvous()
-        )
+        context = initialize_process_context(seed=0, backend="gloo")
     try:
         if (context.world_size, context.tensor_parallel, context.pipeline_parallel) != (1, 1, 1):
             raise PolicyError(

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import fcntl
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any, Literal
 from pipeline import configlib
 from pipeline.config import BootstrapConfig, CurateConfig, EvaluateConfig, RLConfig, TrainEstimatorConfig
 from pipeline.configlib import ConfigError, option
+from pipeline.io import atomic_write_json
 
 PLAN_FILE = "campaign.json"
 STATUS_FILE = "status.json"
@@ -195,7 +195,7 @@ class CampaignPlan:
     def save(self) -> Path:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / PLAN_FILE
-        _write_json_atomic(path, self.to_dict())
+        atomic_write_json(path, self.to_dict())
         return path
 
     @classmethod
@@ -219,12 +219,6 @@ class CampaignPlan:
                                                                overrides=by_stage.get(s.name, [])))
                   for s in self.stages]
         return CampaignPlan(name=self.name, output_dir=self.output_dir, stages=stages)
-
-
-def _write_json_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 # ================================================================ the status file
@@ -274,7 +268,7 @@ class CampaignStatus:
             elif state in ("done", "failed"):
                 record["finished"] = _now()
             record.update(state=state, **fields)
-            _write_json_atomic(self.path, {"stages": stages})
+            atomic_write_json(self.path, {"stages": stages})
             return record
 
     def initialize(self, plan: CampaignPlan) -> None:
@@ -283,7 +277,7 @@ class CampaignStatus:
             stages = self.read()
             for stage in plan.stages:
                 stages.setdefault(stage.name, {"state": "pending", "attempts": 0})
-            _write_json_atomic(self.path, {"stages": stages})
+            atomic_write_json(self.path, {"stages": stages})
 
     def format(self, plan: CampaignPlan) -> str:
         stages = self.read()
@@ -443,12 +437,10 @@ def run_campaign_inprocess(plan: CampaignPlan, *, context=None, out: Callable[[s
 
 
 def _one_rank_context(plan: CampaignPlan):
-    from pipeline.parallel.context import ParallelContext
-    from pipeline.stages.bootstrap import _single_process_rendezvous
+    from pipeline.parallel.rendezvous import initialize_process_context
 
     seeds = [s.config.seed for s in plan.stages if isinstance(s.config, BootstrapConfig)]
-    return ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=seeds[0] if seeds else 0,
-                                      **_single_process_rendezvous())
+    return initialize_process_context(seed=seeds[0] if seeds else 0)
 
 
 # ================================================================ wiring a campaign from one root

@@ -11,7 +11,6 @@ The caller's entry point must guard its main code with ``if __name__ == "__main_
 
 from __future__ import annotations
 
-import socket
 import tempfile
 import time
 import traceback
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from pipeline.parallel.rendezvous import free_port
 
 __all__ = ["RankFailure", "free_port", "run_ranks"]
 
@@ -32,13 +33,6 @@ class RankFailure(RuntimeError):
         super().__init__(message)
         self.rank_name = rank_name
         self.detail = detail
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now (the rendezvous of a fresh process group)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _error_path(result_dir: str, rank: int) -> Path:

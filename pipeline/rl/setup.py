@@ -185,15 +185,13 @@ def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_di
 
 
 def setup_run(cfg: RLConfig, *, context=None) -> Run:
-    from pipeline.parallel.context import ParallelContext
+    from pipeline.parallel.rendezvous import initialize_process_context
     from pipeline.rewards import GradingPool
-    from pipeline.stages.bootstrap import _single_process_rendezvous
 
     if context is None:
-        backend = None if cfg.parallel.backend == "auto" else cfg.parallel.backend
-        context = ParallelContext.initialize(tensor_parallel=cfg.parallel.tensor_parallel,
-                                             pipeline_parallel=cfg.parallel.pipeline_parallel, seed=cfg.seed,
-                                             backend=backend, **_single_process_rendezvous())
+        context = initialize_process_context(
+            tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
+            seed=cfg.seed, backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
     output_dir = Path(cfg.logging.output_dir)
     if context.rank == 0:
         configlib.save_resolved(cfg, output_dir)

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from pipeline.checkpoint.convert import megatron_to_hf_state
 from pipeline.checkpoint.hf_map import MegatronLayout
 from pipeline.models.spec import ModelSpec
+from pipeline.parallel.rendezvous import gather_to_rank0
 
 
 def build_hf_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32):
@@ -46,9 +46,8 @@ def actor_hf_state(actor) -> Iterator[tuple[str, torch.Tensor]] | None:
     if context.world_size == 1:
         return megatron_to_hf_state([[local]], spec=actor.spec, layout=layout)
     payload = (context.pp_rank, context.tp_rank, local if context.dp_rank == 0 else None)
-    gathered: list | None = [None] * context.world_size if context.rank == 0 else None
-    dist.gather_object(payload, gathered, dst=0)
-    if context.rank != 0:
+    gathered = gather_to_rank0(payload, rank=context.rank, world_size=context.world_size)
+    if gathered is None:
         return None
     grid: list[list] = [[None] * context.tensor_parallel for _ in range(context.pipeline_parallel)]
     for pp_rank, tp_rank, state in gathered:

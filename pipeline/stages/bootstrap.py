@@ -103,7 +103,7 @@ def run_bootstrap(cfg: BootstrapConfig, *, context=None) -> BootstrapResult:
     from pipeline.metrics import MetricsWriter
     from pipeline.models.spec import ModelSpec
     from pipeline.models.tokenizer import save_tokenizer, train_tokenizer
-    from pipeline.parallel.context import ParallelContext
+    from pipeline.parallel.rendezvous import initialize_process_context
     from pipeline.trainer.actor import Actor
     from pipeline.trainer.checkpoint import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
@@ -130,8 +130,7 @@ def run_bootstrap(cfg: BootstrapConfig, *, context=None) -> BootstrapResult:
         )
 
     if context is None:
-        context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed,
-                                             **_single_process_rendezvous())
+        context = initialize_process_context(seed=cfg.seed)
     model = cfg.model
     spec = ModelSpec(
         family=model.family, vocab_size=len(tokenizer), hidden_size=model.hidden_size,
@@ -175,15 +174,3 @@ def run_bootstrap(cfg: BootstrapConfig, *, context=None) -> BootstrapResult:
         summary_path.write_text(json.dumps(summary, indent=1))
     return BootstrapResult(directory, tokenizer_dir, directory / "checkpoints", False, summary)
 
-
-def _single_process_rendezvous() -> dict:
-    """rank/world/address for a one-process run outside torchrun (torchrun's env wins)."""
-    import os
-    import socket
-
-    if "RANK" in os.environ:
-        return {}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return {"rank": 0, "world_size": 1, "master_addr": "127.0.0.1", "master_port": port}

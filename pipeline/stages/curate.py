@@ -51,14 +51,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import platform
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +64,7 @@ from pipeline import configlib
 from pipeline.config import CurateConfig
 from pipeline.configlib import ConfigError
 from pipeline.errors import UserError
+from pipeline.io import atomic_write, atomic_write_text, package_versions
 from pipeline.models.tokenizer import prompt_token_ids
 
 # ================================================================ outputs
@@ -216,14 +215,14 @@ def run_curate(cfg: CurateConfig, *, context=None, out: Callable[[str], Any] = p
     _write_kept(output_dir / KEPT_FILE, [p for p, kept in zip(prompts, result.kept_mask) if kept])
     histograms = _difficulty_histograms(result)
     report = _report(cfg, result, histograms=histograms, policy_source=policy.source)
-    _atomic_write_text(output_dir / REPORT_FILE, report)
+    atomic_write_text(output_dir / REPORT_FILE, report)
     _plot_pass_rates(output_dir / PLOT_FILE, result, trivial_threshold=cfg.rules.trivial_threshold)
     timings["outputs_s"] = time.perf_counter() - phase
     timings["total_s"] = time.perf_counter() - started
     manifest = {
         "format": FORMAT_VERSION,
         "config": configlib.to_dict(cfg),
-        "versions": _versions(),
+        "versions": package_versions(),
         "policy": policy.source,
         "fingerprint": fingerprint,
         "timings": timings,
@@ -236,7 +235,7 @@ def run_curate(cfg: CurateConfig, *, context=None, out: Callable[[str], Any] = p
         "outputs": {"pass_rates": PASS_RATES_FILE, "kept": KEPT_FILE, "report": REPORT_FILE, "plot": PLOT_FILE,
                     "shards": SHARDS_DIR},
     }
-    _atomic_write_text(output_dir / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+    atomic_write_text(output_dir / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
     out(f"done in {timings['total_s']:.1f} s: {result.counts['kept']:,} of {result.counts['total']:,} prompts kept")
     return result
 
@@ -536,15 +535,7 @@ def _pass_rates(num_samples: np.ndarray, num_correct: np.ndarray) -> np.ndarray:
 def _atomic_write_parquet(path: Path, table) -> None:
     import pyarrow.parquet as pq
 
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def _write_pass_rates(path: Path, result: CurationResult) -> None:
@@ -577,19 +568,7 @@ def _write_kept(path: Path, prompts: Sequence) -> None:
     # other key comes back as metadata, so load_prompts(path) restores the records.
     lines = [json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer, **p.metadata}, ensure_ascii=False)
              for p in prompts]
-    _atomic_write_text(path, "".join(line + "\n" for line in lines))
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    versions = {"python": platform.python_version()}
-    for package in ("winnow", "torch", "transformers", "math-verify", "numpy", "pyarrow"):
-        try:
-            versions[package] = version(package)
-        except PackageNotFoundError:
-            versions[package] = "not installed"
-    return versions
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
 # ================================================================ report
@@ -686,6 +665,4 @@ def _plot_pass_rates(path: Path, result: CurationResult, *, trivial_threshold: f
         ax.set_title(f"{title} ({int(mask.sum()):,})")
         ax.set_xlabel(f"pass rate (correct of k = {k})")
         ax.set_ylabel("prompts")
-    tmp = path.with_name(path.name + ".tmp")
-    figure.savefig(tmp, format="png", dpi=110)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))

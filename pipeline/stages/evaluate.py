@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 import re
 import sys
 import time
@@ -44,16 +42,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pipeline import configlib
 from pipeline.config import EvaluateConfig
 from pipeline.configlib import ConfigError
 from pipeline.data.records import Prompt
 from pipeline.errors import UserError
-
-
-
+from pipeline.io import atomic_write_text, package_versions
 
 MANIFEST_FILE = "manifest.json"
 MARKDOWN_FILE = "results.md"
@@ -61,7 +57,6 @@ PASS_AT_K_PLOT = "pass_at_k.png"
 SAVED_RESPONSE_CHARS = 2000
 _SHARD_NAME = "shard_{index:05d}.jsonl"
 _UNSAFE_PATH_CHARS = re.compile(r"[^A-Za-z0-9._=-]+")
-_PACKAGES = ("winnow", "torch", "transformers", "megatron-core", "numpy", "math-verify")
 # Bucket keys, in order of preference: MATH's level, then a synthetic source's difficulty.
 _BUCKET_KEYS = ("level", "difficulty")
 
@@ -146,18 +141,8 @@ def problem_record(result, *, save_responses: int) -> dict[str, Any]:
     }
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def write_shard(path: Path, records: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, "".join(json.dumps(record) + "\n" for record in records))
+    atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in records))
 
 
 def read_shard(path: Path) -> list[dict[str, Any]]:
@@ -168,18 +153,6 @@ def read_shard(path: Path) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- manifest
-
-
-def package_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    versions = {"python": platform.python_version()}
-    for name in _PACKAGES:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
 
 
 def fingerprint(cfg: EvaluateConfig, *, policy_source: str) -> dict[str, Any]:
@@ -266,7 +239,7 @@ class Manifest:
     def write(self) -> None:
         self.data["updated"] = _now()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.path, json.dumps(self.data, indent=1) + "\n")
+        atomic_write_text(self.path, json.dumps(self.data, indent=1) + "\n")
 
 
 def _now() -> str:
@@ -508,9 +481,9 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, out=print) -> 
 
     aggregate_started = time.perf_counter()
     results = build_results(records_by_benchmark, plans=plans, cfg=cfg, policy_source=policy.source)
-    _write_atomic(output_dir / RESULTS_FILE, json.dumps(results, indent=1) + "\n")
+    atomic_write_text(output_dir / RESULTS_FILE, json.dumps(results, indent=1) + "\n")
     markdown = format_results_markdown(results)
-    _write_atomic(output_dir / MARKDOWN_FILE, markdown)
+    atomic_write_text(output_dir / MARKDOWN_FILE, markdown)
     plot_pass_at_k(results, output_dir / PASS_AT_K_PLOT)
     manifest.data["timings"]["aggregate_s"] = time.perf_counter() - aggregate_started
     manifest.data["timings"]["total_s"] = time.perf_counter() - started

@@ -19,7 +19,6 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 
 from pipeline.algorithms.depo import observed_zero_variance
 from pipeline.config import RLConfig
@@ -27,6 +26,7 @@ from pipeline.errors import NonFiniteTrainingError
 from pipeline.eval.runner import sample_and_grade, score
 from pipeline.rl.methods import token_weights
 from pipeline.rl.rollouts import RolloutBatch, to_train_batch
+from pipeline.parallel.rendezvous import broadcast_from_rank0
 from pipeline.rl.setup import Run, StopRequest, setup_run
 from pipeline.rollout.mismatch import logprob_mismatch
 from pipeline.rollout.types import GenerationRequest, SamplingParams
@@ -68,11 +68,7 @@ def generate_and_grade(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *
         grades = run.pool.grade_batch([(t, p.answer, p.problem) for t, p in zip(texts, graded_prompts)])
         rewards = torch.tensor([g.score for g in grades], dtype=torch.float32)  # (S,)
         payload = (group_ids, completions, texts, rewards)
-    if run.context.world_size > 1:
-        box = [payload]
-        dist.broadcast_object_list(box, src=0)
-        payload = box[0]
-    group_ids, completions, texts, rewards = payload
+    group_ids, completions, texts, rewards = broadcast_from_rank0(payload, world_size=run.context.world_size)
     return RolloutBatch(indices, [run.prompt_token_ids[i] for i in indices.tolist()], group_ids, completions,
                         texts, rewards)
 

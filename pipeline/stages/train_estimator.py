@@ -30,17 +30,17 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from pipeline import configlib
 from pipeline.config import TrainEstimatorConfig
 from pipeline.configlib import ConfigError
+from pipeline.io import atomic_write, atomic_write_text, package_versions
 
 # ================================================================ the stage
 
@@ -97,7 +97,6 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
 
     from pipeline.estimator.train import EstimatorTrainer
 
-    from pipeline.stages.evaluate import package_versions
 
     if cfg.curation_dir is None:
         raise ConfigError("curation_dir: required; the output_dir of a finished `winnow curate`")
@@ -169,7 +168,7 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
         "timings": {"train_s": train_seconds, "total_s": time.perf_counter() - started},
         "num_updates": trainer.num_updates,
     }
-    _atomic_write_text(output_dir / CALIBRATION_FILE, json.dumps(report, indent=1) + "\n")
+    atomic_write_text(output_dir / CALIBRATION_FILE, json.dumps(report, indent=1) + "\n")
     _plot_reliability(output_dir / PLOT_FILE, holdout=holdout, train=train)
     out(f"held-out ({holdout['num_prompts']:,} prompts): Brier {holdout['brier']:.4f} "
         f"(constant {holdout['brier_constant']:.4f}), Spearman {holdout['spearman']:.3f}, "
@@ -180,12 +179,6 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
 
 def _fmt(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value:.3f}"
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _plot_reliability(path: Path, *, holdout: dict[str, Any], train: dict[str, Any]) -> None:
@@ -210,9 +203,7 @@ def _plot_reliability(path: Path, *, holdout: dict[str, Any], train: dict[str, A
     ax.set_ylabel("observed pass rate (bin mean)")
     ax.set_title("difficulty estimator reliability")
     ax.legend(loc="upper left", fontsize=8)
-    tmp = path.with_name(path.name + ".tmp")
-    figure.savefig(tmp, format="png", dpi=110)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
 
 
 # ================================================================ CLI

@@ -2,7 +2,7 @@
 
 ``PromptStatsStore`` holds the cumulative and Ada-EMA counters, E3 ranks, DEPO estimator
 predictions and curation pass rates as ``(P,)`` tensors; ``winnow stats show`` (in
-``pipeline.stats.cli``) prints a run's exported ``stats.parquet``. Public API::
+``pipeline.cli.stats``) prints a run's exported ``stats.parquet``. Public API::
 
     store = PromptStatsStore(prompt_ids, ema_decay=0.9)
     store.record_rollouts(prompt_ids=ids_or_indices, num_samples=n, num_correct=k, reward_sum=r, step=step)

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from pipeline.errors import UserError
+from pipeline.io import atomic_write
 
 __all__ = [
     "COLUMNS",
@@ -490,10 +491,7 @@ class PromptStatsStore:
         table = pa.table(arrays).replace_schema_metadata(
             {PARQUET_METADATA_KEY: json.dumps({"version": STATE_VERSION, "ema_decay": self.ema_decay}).encode()}
         )
-        target = Path(path)
-        tmp = target.with_name(target.name + ".tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, target)
+        atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
     @classmethod
     def from_parquet(cls, path: str | os.PathLike[str]) -> PromptStatsStore:

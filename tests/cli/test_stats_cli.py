@@ -9,7 +9,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.stats import PromptStatsStore
-from pipeline.stats.cli import (
+from pipeline.cli.stats import (
     STATS_FILE_NAME,
     add_stats_show_arguments,
     format_stats_table,

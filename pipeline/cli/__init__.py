@@ -184,7 +184,7 @@ def _stage_commands_with_own_arguments() -> list[Command]:
 
 
 def _stats_commands() -> list[Command]:
-    from pipeline.stats import cli as stats_cli
+    from pipeline.cli import stats as stats_cli
 
     return [Command("show", "per-prompt statistics of a run: top prompts by a column, and a summary",
                     stats_cli.add_stats_show_arguments, stats_cli.run_stats_show)]
@@ -388,7 +388,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
-
-
-if __name__ == "__main__":
-    sys.exit(main())

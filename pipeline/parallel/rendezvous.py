@@ -1,0 +1,76 @@
+"""How one process joins (or forms) its process group, and the rank-0 object collectives.
+
+* ``free_port`` / ``single_process_rendezvous``: the rendezvous of a process that was not
+  started by ``torchrun`` (``winnow rl`` on a laptop, a test, a benchmark).
+* ``initialize_process_context``: the one way a stage brings up megatron for this process:
+  ``torchrun``'s environment when it launched us, else a one-rank gloo/nccl group.
+* ``broadcast_from_rank0`` / ``gather_to_rank0``: pickled Python objects between global
+  rank 0 (which drives the rollout engine) and the others. Both are no-ops at world size 1.
+  They carry control data and graded rollouts (kilobytes to a few MB per step); weights
+  never travel through them at scale.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "broadcast_from_rank0",
+    "free_port",
+    "gather_to_rank0",
+    "initialize_process_context",
+    "process_group_initialized",
+    "single_process_rendezvous",
+]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (the rendezvous of a fresh process group)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def single_process_rendezvous() -> dict[str, Any]:
+    """rank/world/address for a one-process run outside torchrun (torchrun's environment wins: ``{}``)."""
+    if "RANK" in os.environ:
+        return {}
+    return {"rank": 0, "world_size": 1, "master_addr": "127.0.0.1", "master_port": free_port()}
+
+
+def process_group_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def initialize_process_context(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0,
+                               backend: str | None = None):
+    """This process's ``ParallelContext``: from torchrun's environment, or a fresh one-rank group.
+
+    ``backend=None`` picks nccl with CUDA and gloo without (``ParallelContext.initialize``).
+    """
+    from pipeline.parallel.context import ParallelContext
+
+    return ParallelContext.initialize(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                                      seed=seed, backend=backend, **single_process_rendezvous())
+
+
+def broadcast_from_rank0(payload: Any, *, world_size: int) -> Any:
+    """Global rank 0's ``payload`` on every rank (what other ranks pass is ignored)."""
+    if world_size == 1:
+        return payload
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_rank0(payload: Any, *, rank: int, world_size: int) -> list[Any] | None:
+    """Every rank's ``payload`` in rank order on global rank 0; ``None`` on the others."""
+    if world_size == 1:
+        return [payload]
+    gathered: list | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(payload, gathered, dst=0)
+    return gathered
