@@ -47,13 +47,13 @@ def main() -> int:
     from pipeline.models.layer_spec import FP8Options, select_layer_spec
     from pipeline.models.spec import ModelSpec
     from pipeline.models.tokenizer import encode_prompt, save_tokenizer, train_tokenizer
-    from pipeline.parallel.context import ParallelContext
+    from pipeline.parallel.rendezvous import initialize_process_context
     from pipeline.rl.rollouts import to_train_batch
     from pipeline.rollout.mismatch import logprob_mismatch
     from pipeline.rollout.sglang_api import SGLangServerSpec
     from pipeline.rollout.sglang_engine import SGLangEngine
     from pipeline.rollout.types import GenerationRequest, SamplingParams
-    from pipeline.stages.bootstrap import _single_process_rendezvous, encode_example, make_batch
+    from pipeline.stages.bootstrap import encode_example, make_batch
     from pipeline.trainer.actor import Actor
     from pipeline.trainer.checkpoint import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
@@ -68,7 +68,7 @@ def main() -> int:
     _, choice = select_layer_spec(spec, fp8=FP8Options(enabled=True, recipe="delayed"))
     results.append(check("layer spec", choice.name == "te" and choice.fp8_recipe == "delayed", str(choice.to_dict())))
 
-    context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=0, **_single_process_rendezvous())
+    context = initialize_process_context(seed=0)
     actor = Actor(spec=spec, context=context, optim=OptimConfig(lr=1e-3), seed=0,
                   trainer=TrainerConfig(micro_batch_tokens=8192, precision="bf16", fp8="delayed"))
     examples = [encode_example(tokenizer, t.split("?")[0] + "?", t.split("? ", 1)[1]) for t in texts[:256]]

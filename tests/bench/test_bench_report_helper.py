@@ -29,7 +29,9 @@ def test_save_round_trips_the_json_and_writes_a_real_png(tmp_path, capsys):
                                       title="demo bench", panels=PANELS, threads=3)
 
     assert (json_path, png_path) == (tmp_path / "nested/out/demo.json", tmp_path / "nested/out/demo.png")
-    written = json.loads(json_path.read_text())
+    text = json_path.read_text()
+    written = json.loads(text)
+    assert text == json.dumps(written, indent=1) + "\n"  # the format earlier reports were written in
     assert written["benchmark"] == "demo"
     assert written["settings"] == settings
     assert written["results"] == results  # floats survive exactly

@@ -1,8 +1,9 @@
 """Each benchmark, at toy sizes, writes ``<out>/<name>.json`` and ``<out>/<name>.png`` holding what it printed.
 
 Runtime on 2 idle cores: algorithms < 1 s, rollout ~2 s, grading (worker processes, adversarial
-timeouts) and logprobs_memory (two child processes) ~3 s each; actor ~6 s (slow): it runs as a
-script in a fresh process, as the docs run it, so megatron's global state does not leak into the suite.
+timeouts) and logprobs_memory (two child processes) ~3 s each; actor ~6 s (slow): it runs as
+``python -m tools.bench.actor`` in a fresh process, as the docs run it, so megatron's global state
+does not leak into the suite.
 """
 
 from __future__ import annotations
@@ -87,10 +88,10 @@ def test_rollout(tmp_path):
 
 
 @pytest.mark.slow
-def test_actor_as_a_script(tmp_path):
-    # As the docs run it (`python tools/bench/actor.py`): the script must find `tools.bench.report` itself.
+def test_actor_as_a_module(tmp_path):
+    # As the docs run it, from the repository root: `python -m tools.bench.actor`.
     completed = subprocess.run(
-        [sys.executable, "tools/bench/actor.py", "--hidden", "32", "--layers", "2", "--heads", "4", "--vocab", "64",
+        [sys.executable, "-m", "tools.bench.actor", "--hidden", "32", "--layers", "2", "--heads", "4", "--vocab", "64",
          "--batch", "2", "--seq", "16", "--repeats", "1", "--threads", "1", "--logprob-chunk", "16",
          "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False,

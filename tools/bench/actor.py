@@ -22,7 +22,7 @@ recomputed in backward). It then times one Megatron → HF weight sync into the
 local rollout engine and prints it as a share of the Megatron step (target ≤ 10%).
 Writes ``<out>/actor.json`` and ``<out>/actor.png`` (step times, ratios to HF, sync share).
 
-    .venv/bin/python tools/bench/actor.py [--hidden 512 --layers 4 --batch 8 --seq 256 --repeats 5]
+    .venv/bin/python -m tools.bench.actor [--hidden 512 --layers 4 --batch 8 --seq 256 --repeats 5]
 """
 
 from __future__ import annotations
@@ -30,16 +30,12 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tools.bench.report import Panel, save  # noqa: E402
+from tools.bench.report import Panel, save
 
 RATIO_TARGET = 1.0  # megatron step / HF step
 SYNC_SHARE_TARGET = 0.10  # weight sync / megatron step
@@ -62,10 +58,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     from pipeline.config import OptimConfig, TrainerConfig
     from pipeline.models.spec import ModelSpec
-    from pipeline.parallel.context import ParallelContext
+    from pipeline.parallel.rendezvous import initialize_process_context
     from pipeline.rollout.local import LocalEngine
     from pipeline.rollout.weight_sync import build_hf_model, sync_actor_to_engine
-    from pipeline.stages.bootstrap import _single_process_rendezvous
     from pipeline.trainer.actor import Actor
     from pipeline.trainer.batch import TrainBatch
     from pipeline.trainer.losses import CrossEntropyLoss
@@ -73,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     spec = ModelSpec(family="llama", vocab_size=args.vocab, hidden_size=args.hidden, ffn_hidden_size=args.hidden * 11 // 4,
                      num_layers=args.layers, num_attention_heads=args.heads, num_query_groups=args.heads,
                      max_position_embeddings=args.seq)
-    context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=0, **_single_process_rendezvous())
+    context = initialize_process_context(seed=0)
     num_tokens = args.batch * args.seq
     # A chunk's buffer has chunk − chunk // 16 logit rows (the rest is scratch): 2× covers the micro-batch.
     chunk_sizes = {"one chunk": 2 * num_tokens, f"{args.logprob_chunk}-token chunks": args.logprob_chunk}

@@ -18,26 +18,22 @@ each, the ratios to the baseline (target ≤ 1.10 for the loop's path) and the
 median time of every extra on its own; writes them, with the fastest repeat of each, to
 ``<out>/algorithms.json`` and ``<out>/algorithms.png``.
 
-    .venv/bin/python tools/bench/algorithms.py [--prompts 64 --group 16 --tokens 1024 --repeats 15]
+    .venv/bin/python -m tools.bench.algorithms [--prompts 64 --group 16 --tokens 1024 --repeats 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from pipeline.algorithms import advantages as adv
 from pipeline.algorithms import cw_grpo, d3s, losses
 
-if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tools.bench.report import Panel, save  # noqa: E402
+from tools.bench.report import Panel, save
 
 RATIO_TARGET = 1.10  # the RL loop's path / the GRPO loss
 

@@ -1,7 +1,7 @@
 """Time and peak memory of chunked vs materialized log-probs + entropy (forward + backward).
 
-    .venv/bin/python tools/bench/logprobs_memory.py                # 16k tokens, H=1024, V=32k: ~85 s on 2 idle cores
-    .venv/bin/python tools/bench/logprobs_memory.py --tokens 4096  # quicker
+    .venv/bin/python -m tools.bench.logprobs_memory                # 16k tokens, H=1024, V=32k: ~85 s on 2 idle cores
+    .venv/bin/python -m tools.bench.logprobs_memory --tokens 4096  # quicker
 
 Each variant runs in its own subprocess. Peak memory is the kernel's resident
 set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` once the
@@ -24,10 +24,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tools.bench.report import Panel, save  # noqa: E402
+from tools.bench.report import Panel, save
 
+REPO = Path(__file__).resolve().parents[2]  # the children run as `-m tools.bench.logprobs_memory` from here
 MIB = 1 << 20
 # Targets of docs/benchmarks.md: chunked fwd+bwd time / materialized, and chunked excess in (chunk, V) blocks.
 TIME_RATIO_TARGET = 1.2
@@ -131,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
     results = {}
     for variant in ("materialized", "chunked"):
-        command = [sys.executable, __file__, "--child", variant] + [
+        command = [sys.executable, "-m", "tools.bench.logprobs_memory", "--child", variant] + [
             f"--tokens={args.tokens}",
             f"--hidden={args.hidden}",
             f"--vocab={args.vocab}",
@@ -139,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             f"--temperature={args.temperature}",
             f"--threads={args.threads}",
         ]
-        completed = subprocess.run(command, capture_output=True, text=True, check=False)
+        completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
         if completed.returncode != 0:
             sys.exit(f"{variant} run failed:\n{completed.stderr}")
         results[variant] = json.loads(completed.stdout.strip().splitlines()[-1])

@@ -36,7 +36,7 @@ with one process, and gloo adds all-reduces (TP: 2 per layer forward, 2 backward
 or point-to-point sends plus a bubble (PP). Writes ``<out>/parallel.json`` and
 ``<out>/parallel.png``.
 
-    .venv/bin/python tools/bench/parallel.py [--hidden 512 --layers 4 --batch 8 --seq 256 --repeats 5 --rounds 2]
+    .venv/bin/python -m tools.bench.parallel [--hidden 512 --layers 4 --batch 8 --seq 256 --repeats 5 --rounds 2]
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -58,9 +57,7 @@ import torch
 
 from pipeline.parallel.launch import free_port, run_ranks
 
-if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tools.bench.report import Panel, save  # noqa: E402
+from tools.bench.report import Panel, save
 
 LOSS_RTOL = 1e-4
 

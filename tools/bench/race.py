@@ -1,7 +1,7 @@
 """Sample-efficiency race: every CPU recipe against GRPO from the same base policy, seeds and budget.
 
-    .venv/bin/python tools/bench/race.py                          # every recipe + more SFT, 3 seeds, 100 steps
-    .venv/bin/python tools/bench/race.py --methods grpo_cpu d3s_cpu more_sft --seeds 1 --steps 20
+    .venv/bin/python -m tools.bench.race                          # every recipe + more SFT, 3 seeds, 100 steps
+    .venv/bin/python -m tools.bench.race --methods grpo_cpu d3s_cpu more_sft --seeds 1 --steps 20
 
 Methods are the names in ``recipes.cpu.RECIPES`` (read at run time, so new presets join
 the race without a change here) plus ``more_sft``; ``grpo_cpu`` is the baseline and
@@ -481,8 +481,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     import torch
 
-    from pipeline.parallel.context import ParallelContext
-    from pipeline.stages.bootstrap import _single_process_rendezvous
+    from pipeline.parallel.rendezvous import initialize_process_context
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -490,8 +489,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                             eval_every=args.eval_every or max(1, args.steps // 4), eval_set=args.eval_set,
                             eval_prompts=args.eval_prompts, eval_samples=args.eval_samples,
                             eval_seed=args.eval_seed, overrides=tuple(args.overrides), progress=args.progress)
-    context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=0,
-                                         **_single_process_rendezvous())
+    context = initialize_process_context(seed=0)
     summary = run_race(settings, methods=args.methods, seeds=range(args.seeds), context=context, target=args.target)
     print(format_table(summary))
     print(f"wrote {settings.out / 'race.json'} and {settings.out / 'race.png'}")

@@ -3,9 +3,8 @@
 The chart is one or more horizontal bar panels stacked in one figure: a bar per
 variant (a median time, a throughput, a ratio), optional markers on the bars (the
 fastest run of each variant) and labelled reference lines (a target, a baseline).
-Both files are written atomically, so an interrupted run never leaves half a file
-where the last good one was. The atomic writers are the pipeline's own: the JSON
-one of ``pipeline.launch.campaign`` and the Agg PNG one of ``pipeline.eval.plots``.
+Both files are written atomically through ``pipeline.io``, so an interrupted run never
+leaves half a file where the last good one was.
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.eval.plots import _save as save_figure
-from pipeline.launch.campaign import _write_json_atomic as write_json
+from pipeline.io import atomic_write, atomic_write_json
 
-__all__ = ["Panel", "machine", "plot_panels", "save", "write_json"]
+__all__ = ["Panel", "machine", "plot_panels", "save"]
 
+_FIGURE_DPI = 120
 _MARKER_STYLE = {"marker": "D", "color": "black", "s": 22, "zorder": 3}
 _LINE_STYLES = ("--", ":", "-.")
 
@@ -106,6 +105,7 @@ def _machine_line(info: Mapping[str, Any]) -> str:
 
 def plot_panels(path: str | Path, *, title: str, panels: Sequence[Panel], machine_info: Mapping[str, Any]) -> Path:
     """Stack ``panels`` in one PNG titled with the benchmark and the machine it ran on."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     if not panels:
@@ -116,7 +116,8 @@ def plot_panels(path: str | Path, *, title: str, panels: Sequence[Panel], machin
     for each, panel in zip(axes, panels):
         _draw_panel(each, panel)
     figure.suptitle(f"{title}\n{_machine_line(machine_info)}", fontsize=11)
-    return save_figure(figure, path)
+    FigureCanvasAgg(figure)  # no display needed, whatever matplotlib's default backend
+    return atomic_write(path, lambda tmp: figure.savefig(tmp, format="png", dpi=_FIGURE_DPI, bbox_inches="tight"))
 
 
 def save(out: str | Path, name: str, *, settings: Mapping[str, Any], results: Mapping[str, Any], title: str,
@@ -126,7 +127,8 @@ def save(out: str | Path, name: str, *, settings: Mapping[str, Any], results: Ma
     out.mkdir(parents=True, exist_ok=True)
     info = machine(threads=threads)
     json_path = out / f"{name}.json"
-    write_json(json_path, {"benchmark": name, "settings": dict(settings), "machine": info, "results": dict(results)})
+    payload = {"benchmark": name, "settings": dict(settings), "machine": info, "results": dict(results)}
+    atomic_write_json(json_path, payload, indent=1)
     png_path = plot_panels(out / f"{name}.png", title=title, panels=panels, machine_info=info)
     print(f"wrote {json_path} and {png_path}")
     return json_path, png_path

@@ -1,7 +1,7 @@
 """Tokens/s of the local rollout engine vs raw ``transformers`` ``generate``, same model and batch.
 
-    .venv/bin/python tools/bench/rollout.py                      # 16 prompts x 8 samples x 48 tokens
-    .venv/bin/python tools/bench/rollout.py --prompts 32 --samples 4 --new-tokens 128 --repeats 5
+    .venv/bin/python -m tools.bench.rollout                      # 16 prompts x 8 samples x 48 tokens
+    .venv/bin/python -m tools.bench.rollout --prompts 32 --samples 4 --new-tokens 128 --repeats 5
 
 The model is a random Llama built from a config (default ~0.6M parameters: 4 layers,
 hidden 128, vocab 100), float32 on CPU. Both sides sample at temperature 1 with no
@@ -17,10 +17,8 @@ background load spike hurts both the same way. Writes ``<out>/rollout.json`` and
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -28,9 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.rollout.local import LocalEngine
 from pipeline.rollout.types import GenerationRequest, SamplingParams
 
-if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tools.bench.report import Panel, save  # noqa: E402
+from tools.bench.report import Panel, save
 
 RATIO_TARGET = 0.90  # engine tokens/s / generate tokens/s, best runs
 

@@ -1,7 +1,7 @@
 """winnow's RL step time vs TRL's ``GRPOTrainer`` on the same model, prompts, group size, length and reward.
 
-    .venv/bin/python tools/bench/trl_compare.py                       # 3 rounds x 4 steps each side
-    .venv/bin/python tools/bench/trl_compare.py --rounds 5 --steps-per-round 4 --eval-prompts 500
+    .venv/bin/python -m tools.bench.trl_compare                       # 3 rounds x 4 steps each side
+    .venv/bin/python -m tools.bench.trl_compare --rounds 5 --steps-per-round 4 --eval-prompts 500
 
 TRL lives only in the benchmark's own virtual environment (``--trl-python``); create it
 once, pinning the CPU torch wheel so pip does not fetch a CUDA build:
@@ -91,7 +91,6 @@ def run_trl_worker(spec_path: Path) -> None:
     psutil, math-verify), all of which the TRL environment has.
     """
     spec = json.loads(spec_path.read_text())
-    sys.path.insert(0, str(REPO))
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -176,8 +175,9 @@ class TRLWorker:
 
     def __init__(self, python: str, spec_path: Path, *, log_path: Path) -> None:
         self._log = log_path.open("w")
+        # The TRL venv has no winnow installed: run from the repository root, which `-m` puts on sys.path.
         self.process = subprocess.Popen(
-            [python, str(Path(__file__).resolve()), "--worker", str(spec_path)], cwd=REPO,
+            [python, "-m", "tools.bench.trl_compare", "--worker", str(spec_path)], cwd=REPO,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
         )
 
@@ -337,17 +337,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import torch
 
-    sys.path.insert(0, str(REPO))
-    from pipeline.parallel.context import ParallelContext
-    from pipeline.stages.bootstrap import _single_process_rendezvous
+    from pipeline.parallel.rendezvous import initialize_process_context
     from pipeline.stages.rl import run_rl
 
     torch.set_num_threads(args.threads)
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=args.seed,
-                                         **_single_process_rendezvous())
+    context = initialize_process_context(seed=args.seed)
     cfg = winnow_config(args, out)
     base = export_base_policy(cfg, context=context, directory=out / "base_hf")
     num_rows = write_prompt_stream(cfg, tokenizer=base.tokenizer, hf_dir=out / "base_hf", path=out / "prompts.jsonl")

@@ -1,0 +1,1 @@
+"""Benchmarks, run from the repository root as ``python -m tools.bench.<name>`` (numbers: docs/benchmarks.md)."""
