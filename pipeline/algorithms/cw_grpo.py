@@ -1,8 +1,7 @@
 """CW-GRPO: covariance-aware Gaussian-kernel advantage reweighting.
 
-Paper: /work/shared/papers/cw-grpo-covariance-gaussian-reweighting.txt, "Taming
-Extreme Tokens: Covariance-Aware GRPO with Gaussian-Kernel Advantage
-Reweighting" (Wang, Liu, Zhou, Chen; arXiv:2605.11538), Sec. 2.3. The paper's
+Paper: "Taming Extreme Tokens: Covariance-Aware GRPO with Gaussian-Kernel
+Advantage Reweighting" (Wang, Liu, Zhou, Chen; arXiv:2605.11538), Sec. 2.3. The paper's
 equations are unnumbered; in the order they appear in Sec. 2.3:
 
 * (2.3-a) ``c_{i,t} = (log π_θ(o_{i,t}) − mean log π) · (Â_i − mean Â)``
@@ -27,6 +26,29 @@ Choices where the paper is ambiguous:
   the token-level sums of 2.3-c. σ is the population std (divide by n).
 * σ = 0 (every ``c`` equal, e.g. a group of one or a zero-advantage group)
   gives weight 1 to every valid token instead of 0/0.
+* Zero is decided with a tolerance, because float arithmetic rarely produces
+  it. When every response of a scope has the same advantage, ``Â_i − mean Â``
+  comes out as ±1e-17 instead of 0 whenever the token-weighted mean rounds
+  (three responses of 7 tokens, Â = 0.1 + 0.2); with Â = (+1, −1) and one
+  token each, the two ``c`` are equal in exact arithmetic but
+  ``log π − mean log π`` rounds differently for the two tokens. Either way σ
+  is rounding noise, and the kernel ``exp(−c²/2σ²)`` turns it into arbitrary
+  weights: (0, 2) for log π = (−0.1, −0.2) where the exact answer is (1, 1).
+  So a centred advantage with ``|Â_i − mean Â| ≤ rtol · max|Â|`` is set to
+  exactly 0, and ``σ ≤ rtol · max|log π| · max|Â|`` counts as σ = 0, maxima
+  over the scope's valid tokens, ``rtol = ZERO_RELATIVE_TOLERANCE = 1e-9``.
+  The scales: the rounding error of a mean is proportional to the magnitude
+  of its terms, not to the (possibly tiny) centred values, and
+  ``max|log π| · max|Â|`` bounds ``|c|``. The value: a float64 sum of n terms
+  rounds by at most ~n · 1.1e-16 of its scale, so 1e-9 holds the noise of
+  scopes of up to ~9·10⁶ tokens even in the worst case (typically ~√n · 1e-16);
+  and it is 60× below float32's resolution 2⁻²⁴ ≈ 6e-8, the precision the
+  log-probs come in, so it does not touch spreads the inputs can express. The
+  exception is a spread made by one float32 step in a few tokens of a scope of
+  ≳ 3,600 tokens (σ ≈ step/√n): there the exact kernel would hand all the
+  weight to one token because of that step, and weight 1 is the better answer.
+  Zeroing a centred advantage moves ``c`` by at most 2 · rtol times the scale,
+  so it changes weights only in scopes whose σ is itself near the threshold.
 * 2.3-c is evaluated as ``N · softmax(−c²/(2σ²))`` in log space: identical
   whenever ``Σ w`` is representable, and finite when all ``w`` would underflow
   (c clustered far from 0 with a tiny spread).
@@ -50,9 +72,12 @@ from pipeline.algorithms.segments import (
     run_sum,
 )
 
-__all__ = ["cw_grpo_token_weights"]
+__all__ = ["ZERO_RELATIVE_TOLERANCE", "cw_grpo_token_weights"]
 
 CovarianceScope = Literal["group", "batch"]
+
+# Centred advantages and σ at most this fraction of their scale are exactly 0 (module docstring).
+ZERO_RELATIVE_TOLERANCE = 1e-9
 
 
 @TOKEN_WEIGHTS.register("cw_grpo")
@@ -144,15 +169,24 @@ def cw_grpo_token_weights(
         def scope_sum(values: torch.Tensor) -> torch.Tensor:  # (n,) → (U,)
             return group_sum(run_sum(values, lengths), row_scope, num_scopes)
 
+        # max|log π| per scope, negated so that run_min/group_min can take it (no run_max).
+        neg_abs_logp = torch.abs(token_values, out=broadcast).neg_()  # (n,)
+        logp_scale = -group_min(run_min(neg_abs_logp, lengths), row_scope, num_scopes)  # (U,)
         mean_logp = scope_sum(token_values) / safe_counts
         adv = row_advantages.to(torch.float64)
+        adv_scale = -group_min(-adv.abs(), row_scope, num_scopes)  # (U,) max|Â|
         mean_adv = group_sum(adv * lengths_f, row_scope, num_scopes) / safe_counts
         centred_adv = adv - mean_adv.index_select(0, row_scope)  # (R,)
+        # A shared advantage leaves ±1e-17 here, not 0 (module docstring).
+        adv_noise = ZERO_RELATIVE_TOLERANCE * adv_scale.index_select(0, row_scope)  # (R,)
+        centred_adv = torch.where(centred_adv.abs() <= adv_noise, 0.0, centred_adv)
         cov = token_values.sub_(per_token(mean_logp.index_select(0, row_scope)))
         cov.mul_(per_token(centred_adv))  # (n,) c of 2.3-a
         cov_sum = scope_sum(cov)  # (U,)
         centred = torch.sub(cov, per_token((cov_sum / safe_counts).index_select(0, row_scope)), out=broadcast)
         sigma = (scope_sum(centred.mul_(centred)) / safe_counts).sqrt()  # (U,)
+        # σ of equal c is rounding noise proportional to max|log π|·max|Â|, which bounds |c|.
+        sigma = torch.where(sigma <= ZERO_RELATIVE_TOLERANCE * logp_scale * adv_scale, 0.0, sigma)
         empty = cov.new_zeros(())
         cov_low, cov_high = torch.aminmax(cov) if cov.numel() else (empty, empty)
 

@@ -1,8 +1,9 @@
-"""CW-GRPO (cw-grpo-covariance-gaussian-reweighting.txt, Sec. 2.3)."""
+"""CW-GRPO ("Taming Extreme Tokens: Covariance-Aware GRPO with Gaussian-Kernel Advantage Reweighting", Sec. 2.3)."""
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -118,6 +119,81 @@ def test_sigma_zero_gives_unit_weights():
     assert torch.equal(w, mask.float())
 
 
+def exact_sigma_is_zero(advantages, logprobs):
+    """σ of 2.3-b in exact rational arithmetic, one group, every token valid."""
+    tokens = [(Fraction(a), Fraction(lp)) for a, row in zip(advantages, logprobs) for lp in row]
+    n = len(tokens)
+    mean_adv = sum(a for a, _ in tokens) / n
+    mean_logp = sum(lp for _, lp in tokens) / n
+    c = [(lp - mean_logp) * (a - mean_adv) for a, lp in tokens]
+    return len(set(c)) == 1
+
+
+@pytest.mark.parametrize("logprobs", [(-0.1, -0.2), (-0.1, -0.3), (-1.9009878704674152, -1.1203638022999252)])
+def test_opposite_advantages_one_token_each_give_unit_weights(logprobs):
+    # A = (+1, −1), one token each: c_1 = (a − m)·1 and c_2 = (b − m)·(−1) with m = (a + b)/2
+    # are equal, so σ = 0 and 2.3-b gives weight 1 to both. In float64, a − m and m − b
+    # round differently, σ ≈ 1e-17, and the kernel used to return (0, 2) or (2, 0).
+    advantages = [1.0, -1.0]
+    rows = [[logprobs[0]], [logprobs[1]]]
+    assert exact_sigma_is_zero(advantages, rows)
+    weights, metrics = call(torch.tensor(advantages, dtype=torch.float64), torch.tensor(rows, dtype=torch.float64),
+                            torch.ones(2, 1, dtype=torch.bool), torch.tensor([0, 0]))
+    assert weights.flatten().tolist() == [1.0, 1.0]
+    assert float(metrics["cw_grpo/sigma_zero_fraction"]) == 1.0
+
+
+def test_shared_advantage_whose_mean_rounds_gives_unit_weights():
+    # Three responses of 7 tokens sharing Â = 0.1 + 0.2 (as after a D³S subset): the
+    # token-weighted mean Σ Â·7 / 21 rounds to Â + 5.6e-17, so Â − mean Â is noise, σ is
+    # noise, and the kernel used to weight tokens by their standardised log-prob.
+    shared = 0.1 + 0.2
+    assert (shared * 7 * 3) / 21 != shared  # the premise: the float mean is off
+    logprobs = -torch.rand(3, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    for advantages in ([shared] * 3, [shared, 0.3, shared]):  # 0.3 differs from 0.1 + 0.2 by 5.6e-17
+        weights, metrics = call(torch.tensor(advantages, dtype=torch.float64), logprobs,
+                                torch.ones(3, 7, dtype=torch.bool), torch.tensor([0, 0, 0]))
+        assert torch.equal(weights, torch.ones(3, 7, dtype=torch.float64))
+        assert float(metrics["cw_grpo/cov_abs_max"]) == 0.0
+
+
+@pytest.mark.parametrize("relative_spread", [1e-6, 6e-8])
+def test_spreads_the_inputs_can_express_are_not_zeroed(relative_spread):
+    # The tolerance (1e-9 of the scale) sits below float32's resolution: a spread of
+    # one float32 step (6e-8) in the advantages still reweights, as the reference does.
+    advantages = torch.tensor([1.0, 1.0 + relative_spread, 1.0], dtype=torch.float64)
+    logprobs = -torch.rand(3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    weights, metrics = call(advantages, logprobs, mask, torch.tensor([0, 0, 0]))
+    expected = reference_weights(advantages.tolist(), logprobs.tolist(), mask.tolist(), [0, 0, 0], "group")
+    assert weights.tolist() == [pytest.approx(row, rel=1e-6) for row in expected]
+    assert float(metrics["cw_grpo/sigma_zero_fraction"]) == 0.0
+    assert float(weights.max() - weights.min()) > 0.1
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    shared=st.lists(
+        st.one_of(st.floats(-8, 8, allow_subnormal=False), st.sampled_from([0.1 + 0.2, 1 / 3, 0.7, -0.1])),
+        min_size=1, max_size=4,
+    ),
+    seed=st.integers(0, 10_000),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    scope=st.sampled_from(["group", "batch"]),
+)
+def test_equal_advantages_in_a_scope_give_unit_weights(shared, seed, dtype, scope):
+    """σ = 0 whenever every response of a scope has one advantage: every weight is 1."""
+    gen = torch.Generator().manual_seed(seed)
+    group_ids = torch.randint(0, len(shared), (7,), generator=gen)
+    # In the batch scope the whole batch is the unit that must share one advantage.
+    advantages = torch.tensor([shared[int(g) if scope == "group" else 0] for g in group_ids], dtype=dtype)
+    logprobs = (-torch.rand(7, 9, generator=gen, dtype=torch.float64) * 6).to(dtype)
+    lengths = torch.randint(0, 10, (7,), generator=gen)
+    mask = torch.arange(9)[None, :] < lengths[:, None]
+    weights, _ = call(advantages, logprobs, mask, group_ids, scope)
+    assert torch.equal(weights, mask.to(dtype))
+
+
 def test_fully_masked_response_gets_zero_and_changes_nothing_else():
     gen = torch.Generator().manual_seed(5)
     advantages = torch.randn(3, generator=gen)
@@ -160,10 +236,11 @@ def test_weights_carry_no_gradient():
 
 
 def test_underflowing_kernel_stays_finite():
-    # c ≈ 1 for every token with a spread of ~1e-9: exp(-c²/2σ²) underflows to 0 for
-    # all tokens, and the literal Σw normalisation would be 0/0. The log-space
-    # normalisation puts the mass on the token with the smallest |c|.
-    delta = 1e-9
+    # c ≈ 1 for every token with a spread of ~1e-4 (far above the zero tolerance):
+    # exp(-c²/2σ²) underflows to 0 for all tokens, and the literal Σw normalisation
+    # would be 0/0. The log-space normalisation puts the mass on the token with the
+    # smallest |c|.
+    delta = 1e-4
     logprobs = torch.tensor([[0.0, 0.0], [-2.0, -2.0 + delta]], dtype=torch.float64)
     weights, _ = call(torch.tensor([1.0, -1.0], dtype=torch.float64), logprobs,
                       torch.ones(2, 2, dtype=torch.bool), torch.tensor([0, 0]))
