@@ -4,21 +4,30 @@ math-verify decides mathematical equality, so ``30 * 69`` "equals" the gold ``20
 policy under RL finds that quickly: in our own CPU run, GRPO at lr 2e-4 learned within
 ~90 steps to answer "What is 30 * 69?" with ``30 * 69 =`` and no box, and held-out
 "pass@1" went from 0.42 to 0.999 while the model computed nothing. Two rules close it,
-applied after grading to answers graded correct (wrong answers stay wrong):
+applied after grading to every answer graded correct (wrong answers stay wrong),
+whether the answer was boxed or math-verify found it in unboxed text:
 
 ``restates_problem`` (always, when the problem text is known)
-    The extracted answer, whitespace removed, is a substring of the problem while the gold
-    answer is not, and it is not a bare number. Copying an expression from the question
-    never counts — whichever way the question is phrased — while a legitimate answer that
-    happens to occur in the problem (a choice among options) still counts, because then
-    the gold occurs there too.
+    The answer occurs in the problem while the gold answer does not, and the answer is
+    not a bare number (an integer or decimal). Both are compared after the same cleanup
+    (``restatement_key``): math delimiters, spacing, ``\\left``/``\\right``,
+    ``\\dfrac``, and the wrappers ``\\text{}``, ``\\textbf{}``, ``\\mathrm{}`` removed,
+    shorthand arguments braced (``\\frac32`` → ``\\frac{3}{2}``, ``\\log_264`` →
+    ``\\log_{2}64``), case folded. An occurrence counts only as a whole token: the gold
+    ``6`` does not occur in ``\\log_264``. Copying an expression or a fraction from the
+    question never counts; a legitimate answer that occurs in the problem (a choice
+    among options, ``\\boxed{B}`` for the gold ``\\text{(B)}``) still counts, because
+    then the gold occurs there too; so does a bare number the question happens to
+    mention ("What is 2070 - 0?").
 ``numeric_answers="literal"`` (the default)
-    When the gold is a number literal (an integer, decimal, or fraction, with optional sign,
-    thousands separators, ``$`` or ``%``), the answer must be one too: ``2070``, ``2,070``,
-    ``\\frac{1}{2}`` pass; ``69 * 30``, ``2^{11} + 22`` do not. Non-numeric golds
-    (``\\frac{\\pi}{3}``, ``x^2 + 1``) keep math-verify's symbolic equality.
-    ``"symbolic"`` turns this off (paper-faithful evaluation: their numbers used plain
-    math-verify), at the price of rewarding unevaluated arithmetic.
+    When the gold is a number literal, the answer must be one too. Both are read by
+    ``normalize.normalize_answer`` (the fast path's own reading): integers, decimals,
+    fractions and repeating decimals, with sign, thousands separators, ``$``, ``%``,
+    degrees, ``x =`` and unit words. ``2070``, ``2,070``, ``\\frac{1}{2}``, ``18 miles``
+    pass; ``69 * 30``, ``2^{11} + 22`` do not. Non-numeric golds (``\\frac{\\pi}{3}``,
+    ``x^2 + 1``) keep math-verify's symbolic equality. ``"symbolic"`` turns this off
+    (paper-faithful evaluation: their numbers used plain math-verify), at the price of
+    rewarding unevaluated arithmetic.
 
 A rejected answer scores as a wrong one (0 plus the same format term) and carries its own
 reason, so the grading metrics show how often the policy tries it.
@@ -26,44 +35,71 @@ reason, so the grading metrics show how often the policy tries it.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Literal
 
+from pipeline.rewards.normalize import latex_cleanup, normalize_answer
+
 NumericAnswers = Literal["literal", "symbolic"]
 
-_NUMBER = re.compile(
-    r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # 2070, 2,070, -3.5
-    r"|[-+]?\\[dt]?frac\{[-+]?\d+\}\{\d+\}"  # \frac{1}{2}, \dfrac{-3}{4}
-    r"|[-+]?\d+/\d+"  # 1/2
-)
-# "x = 2" answers with a number: a single variable (optionally subscripted) on the left.
-_VARIABLE_IS = re.compile(r"[a-zA-Z](?:_\{?\w+\}?)?=")
-# Spacing commands, dollar and percent signs, degrees, unit text and a trailing period carry no value.
-_DECORATION = re.compile(r"\\[,;:! ]|\\\$|\$|\\%|%|\^\{?\\circ\}?|\\degree|\\(?:text|mathrm)\{[^{}]*\}|\s")
-
-
-def _squash(text: str) -> str:
-    return "".join(text.split()).lower()
+# A one-character argument written without braces: "^2", "_2", "\frac32", "\sqrt2".
+_SHORTHAND_SCRIPT = re.compile(r"([_^])([A-Za-z0-9])")
+_SHORTHAND_MACRO_ARGUMENT = re.compile(r"(\\(?:frac|sqrt))(\d)")
+_SHORTHAND_SECOND_FRACTION_ARGUMENT = re.compile(r"(\\frac\{[^{}]*\})(\d)")
 
 
 def number_literal(text: str) -> bool:
     """Whether ``text`` is one number written out (no operators, powers or functions)."""
-    stripped = _DECORATION.sub("", text).rstrip(".")
-    if stripped.startswith("\\boxed{") and stripped.endswith("}"):
-        stripped = stripped[len("\\boxed{"):-1]
-    variable = _VARIABLE_IS.match(stripped)
-    if variable is not None:
-        stripped = stripped[variable.end():]
-    return bool(stripped) and _NUMBER.fullmatch(stripped) is not None
+    return normalize_answer(text).value is not None
+
+
+def bare_number(text: str) -> bool:
+    """Whether ``text`` is an integer or decimal literal (not a fraction, not a repeating decimal)."""
+    return normalize_answer(text).form in ("integer", "decimal")
+
+
+@functools.lru_cache(maxsize=4096)
+def restatement_key(text: str) -> str:
+    """``text`` as the restatement test compares it (see the module docstring)."""
+    key = latex_cleanup(text)
+    key = _SHORTHAND_SCRIPT.sub(r"\1{\2}", key)
+    key = _SHORTHAND_MACRO_ARGUMENT.sub(r"\1{\2}", key)
+    key = _SHORTHAND_SECOND_FRACTION_ARGUMENT.sub(r"\1{\2}", key)
+    return key.lower().rstrip(".")
+
+
+def _continues(a: str, b: str) -> bool:
+    """Whether characters ``a`` then ``b`` belong to one token (one number or one word)."""
+    return (a.isdigit() and b.isdigit()) or (a.isalpha() and b.isalpha()) or (a == "\\" and b.isalpha())
+
+
+def occurs_as_token(needle: str, haystack: str) -> bool:
+    """``needle`` occurs in ``haystack`` and is not part of a longer number or word there."""
+    if not needle:
+        return False
+    start = haystack.find(needle)
+    while start != -1:
+        end = start + len(needle)
+        before_ok = start == 0 or not _continues(haystack[start - 1], needle[0])
+        decimal_before = start >= 2 and haystack[start - 1] == "." and haystack[start - 2].isdigit()
+        after_ok = end == len(haystack) or not _continues(needle[-1], haystack[end])
+        decimal_after = end + 1 < len(haystack) and haystack[end] == "." and haystack[end + 1].isdigit()
+        if before_ok and after_ok and not (needle[0].isdigit() and decimal_before) and not (
+            needle[-1].isdigit() and decimal_after
+        ):
+            return True
+        start = haystack.find(needle, start + 1)
+    return False
 
 
 def restates_problem(extracted: str, *, problem: str, gold: str) -> bool:
-    """The answer is an expression copied from the problem, which does not contain the gold."""
-    answer = _squash(extracted).strip("$")
-    if not answer or number_literal(answer):
+    """The answer is copied from the problem, which does not contain the gold."""
+    answer = restatement_key(extracted)
+    if not answer or bare_number(extracted):
         return False
-    question = _squash(problem)
-    return answer in question and _squash(gold) not in question
+    question = restatement_key(problem)
+    return occurs_as_token(answer, question) and not occurs_as_token(restatement_key(gold), question)
 
 
 def rejection(extracted: str | None, *, gold: str, problem: str | None,

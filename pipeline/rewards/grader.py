@@ -31,18 +31,19 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import math
+import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.rewards import answer_rules
 from pipeline.rewards.answer_rules import NumericAnswers
-from typing import Any
-
 from pipeline.rewards.extract import last_boxed
 from pipeline.rewards.normalize import NormalizedAnswer, fast_compare, normalize_answer
 
@@ -232,27 +233,98 @@ def _has_expression(parsed: list[Any]) -> bool:
     return any(not isinstance(item, str) for item in parsed)
 
 
+@functools.cache
+def _extraction_priorities() -> list[list[tuple[Any, Any]]]:
+    """math-verify's answer-finding regexes for ``parse``'s default targets (LaTeX, then
+    plain expressions), grouped by priority, most specific first."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+    from math_verify.parser import get_extraction_regexes
+
+    targets = get_extraction_regexes([LatexExtractionConfig(), ExprExtractionConfig()])
+    patterns = sorted(
+        ((pattern, target, priority) for regexes, target in targets for pattern, priority in regexes),
+        key=lambda entry: entry[2],
+    )
+    return [
+        [(pattern, target) for pattern, target, _ in group]
+        for _, group in itertools.groupby(patterns, key=lambda entry: entry[2])
+    ]
+
+
+def _answer_span(match: re.Match[str]) -> tuple[int, int]:
+    """Where the answer itself is in a match of math-verify's regexes (without the
+    "final answer is" anchor or the ``$`` delimiters around it)."""
+    spans = [
+        match.span(name)
+        for name, value in match.groupdict().items()
+        if value is not None and _ANSWER_GROUP.match(name)
+    ]
+    if not spans:
+        return match.span()
+    return min(start for start, _ in spans), max(end for _, end in spans)
+
+
+# Named groups of math-verify's regexes that hold the answer: LaTeX environments
+# ("first_latexInlineDollar", "next2_latexBoxed"), their percent signs, and the parts
+# of a plain number or expression.
+_ANSWER_GROUP = re.compile(r"(?:first|next\d)_(?:latex|percent)|integer|decimal|expr$|percent$")
+
+
+def extract_from_text(text: str) -> tuple[list[Any], str | None]:
+    """math-verify's extraction from unboxed text (``parse`` with its defaults), and
+    the answer it graded as a verbatim substring of ``text`` (``None``: nothing found).
+
+    ``parse`` reports the matched text after its LaTeX normalization (``\\left``
+    dropped, ``\\dfrac`` → ``\\frac``, ``\\log_264`` → ``\\log_{2}{64}``), which is
+    often not in the response; the answer rules must see what the response says, so
+    this walks the same regexes in the same order and keeps the match's position.
+    """
+    from math_verify.parser import extract_match
+
+    first_fallback: tuple[str, str] | None = None
+    for group in _extraction_priorities():
+        matches = sorted(
+            ((match, target) for pattern, target in group for match in pattern.finditer(text)),
+            key=lambda entry: (entry[0].end(), -entry[0].start()),
+            reverse=True,
+        )
+        for match, target in matches:
+            parsed, normalized = extract_match(match, target)
+            start, end = _answer_span(match)
+            if first_fallback is None and normalized:
+                first_fallback = (normalized, text[start:end])
+            if parsed is not None:
+                return [parsed, normalized] if normalized else [parsed], text[start:end]
+    if first_fallback is None:
+        return [], None
+    return [first_fallback[0]], first_fallback[1]
+
+
+def _math_verify_text(answer: str) -> str:
+    """What math-verify parses for an answer: winnow's rewrite where math-verify would
+    misread it (``normalize.NormalizedAnswer.for_math_verify``), else the answer."""
+    return normalize_answer(answer).for_math_verify or answer
+
+
 def grade_with_math_verify(pending: PendingGrade, options: GradeOptions) -> Grade:
     """The slow half of ``grade``. May take unbounded time or memory on hostile input:
     call it under a deadline. Exceptions propagate (callers map them to reasons)."""
     _, verify = _math_verify()
-    gold = _parsed_gold(pending.gold)
+    gold = _parsed_gold(_normalized_gold(pending.gold).for_math_verify or pending.gold)
     if not gold:
         return failure(Reason.INVALID_GOLD, pending.answer)
     if pending.answer is not None:
         extracted = pending.answer
-        prediction = _parse("\\boxed{" + _strip_math_delimiters(extracted) + "}")
+        prediction = _parse("\\boxed{" + _strip_math_delimiters(_math_verify_text(extracted)) + "}")
     else:
-        prediction = _parse(pending.response_tail)
-        # With fallback_mode="first_match" math-verify appends the matched text after
-        # its LaTeX normalization (never a rendering of a sympy object). Keep it only
-        # when it is verbatim in the response, so ``extracted`` is always a substring.
-        matched = next((item for item in reversed(prediction) if isinstance(item, str)), None)
-        extracted = matched if matched and matched in pending.response_tail else None
-        if not prediction:
+        prediction, extracted = extract_from_text(pending.response_tail)
+        if extracted is None:
             return _decided(Reason.NO_ANSWER, has_box=False, extracted=None, options=options)
-        if matched is not None and len(matched) > options.max_answer_chars:
+        if len(extracted) > options.max_answer_chars:
             return _decided(Reason.PARSE_ERROR, has_box=False, extracted=None, options=options)
+        rewritten = normalize_answer(extracted).for_math_verify
+        if rewritten is not None:
+            prediction = _parse("\\boxed{" + rewritten + "}")
     has_box = pending.has_box
     if not prediction:
         return _decided(Reason.PARSE_ERROR, has_box=has_box, extracted=extracted, options=options)

@@ -3,18 +3,29 @@
 RL answers are mostly integers and short fractions; parsing them with sympy costs ~8 ms
 each, comparing normalized strings costs microseconds. ``fast_compare`` returns
 
-* ``True``  only for a true equality: both answers normalize to the same string, or
-  both are plain numbers with the same exact rational value;
-* ``False`` only when both answers are plain numbers written without units, percent,
-  degrees or ``x =`` (so no convention could make them equal) and they differ by more
-  than math-verify's float tolerance (it rounds decimals to 6 places, so
-  ``0.333333`` equals ``1/3`` there; such close calls are left to it);
+* ``True``  for a true equality: both answers normalize to the same string, or both
+  are numbers with equal values (``numbers_agree``: exact for integers and fractions,
+  the tolerance rule below when either is written as a decimal);
+* ``False`` when both answers are numbers that do not agree and neither carries a
+  percent sign or degrees the other lacks (``10\\%`` may equal ``0.1``);
 * ``None``  otherwise: the caller must ask math-verify.
 
+Number literals (``number_value``) are read once, here, for the fast path and for the
+answer rules alike: integers (``2070``, ``2,070``, ``14{,}916``, ``.75``), decimals,
+fractions (``7/2``, ``\\frac{1}{2}``, the MATH shorthand ``\\frac32``/``\\frac9{19}``,
+``\\frac{3}{-4}``) and repeating decimals (``1.\\overline{3}`` = 4/3), with optional
+sign, ``$``, ``%``, degrees, ``x =`` and unit words (``18 miles``, ``12\\text{ cm}``).
+
+Tolerance: a decimal agrees with the gold ``g`` when ``|a - g| <= min(1e-6, 1e-4 |g|)``.
+From 0.01 up that is math-verify's own rule (it rounds to 6 decimal places); below
+0.01 it is relative, so ``.0000673`` is not ``.0000672`` and ``0.0000014`` not
+``0.000001``, which 6-place rounding would accept.
+
 Every step is meaning-preserving LaTeX cleanup except the "lossy" ones (percent,
-degrees, a leading ``x =``, currency), which are recorded in ``marks``: two answers
-with different non-empty marks (``10\\%`` vs ``10^\\circ``) are never declared equal
-here, and marked numbers are never declared unequal here (``10\\%`` may equal ``0.1``).
+degrees, a leading ``x =``, currency), which are recorded in ``marks``. Unit words
+carry no value and are dropped. When a step reads something math-verify cannot
+(unit words it does not know, repeating decimals, ``°``), ``for_math_verify`` holds the
+answer rewritten in plain LaTeX, so the slow path sees the same number.
 All work is linear in the (bounded) answer length; numbers with more than
 ``MAX_NUMBER_CHARS`` characters are not converted, so no huge integers are built.
 """
@@ -27,15 +38,22 @@ from fractions import Fraction
 
 from pipeline.rewards.extract import find_closing_brace
 
-__all__ = ["MAX_NUMBER_CHARS", "NormalizedAnswer", "fast_compare", "normalize_answer"]
+__all__ = [
+    "MAX_NUMBER_CHARS",
+    "NormalizedAnswer",
+    "fast_compare",
+    "latex_cleanup",
+    "normalize_answer",
+    "numbers_agree",
+]
 
 MAX_NUMBER_CHARS = 40
-# math-verify compares decimals after rounding to 6 places; numbers closer than this
-# (relative, with a floor of 1) are left to it so the fast path never contradicts it.
-_CLOSE_CALL_TOLERANCE = Fraction(1, 10**5)
+# The tolerance rule of the module docstring: min(absolute, relative * |gold|).
+_ABSOLUTE_TOLERANCE = Fraction(1, 10**6)
+_RELATIVE_TOLERANCE = Fraction(1, 10**4)
 
 # Macros whose argument is kept verbatim: formatting, not mathematics.
-_UNWRAP = re.compile(r"\\(?:text|textbf|textrm|textnormal|mathrm|mbox|boxed|fbox)\s*\{")
+_UNWRAP = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mbox|boxed|fbox)\s*\{")
 # Sizing/style macros and spacing commands are dropped and \dfrac/\tfrac/\cfrac become
 # \frac. A "\\\\" line break is matched as one token first so that "\\\\," is not
 # misread as a thin space.
@@ -51,28 +69,58 @@ _DOLLAR = re.compile(r"\\\$|\$")
 _SPACE = re.compile(r"\s+")
 _DEGREE_SUFFIX = re.compile(r"(?:\^\{\\circ\}|\^\\circ|°|\\degree)$")
 _PERCENT_SUFFIX = re.compile(r"\\?%$")
-_ASSIGNMENT = re.compile(r"^([A-Za-z])=(?=[^=<>,;]+$)")
+_ASSIGNMENT = re.compile(r"^([A-Za-z](?:_\{?\w+\}?)?)=(?=[^=<>,;]+$)")
 _PAREN_SINGLE_TOKEN = re.compile(r"^\(([A-Za-z]|[+-]?\d+(?:\.\d+)?)\)$")
 
-_INTEGER = re.compile(r"[+-]?\d+")
-_DECIMAL = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+)")
+_DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)"  # 2070 or 2,070 (commas only between groups of three)
+_INTEGER = re.compile(rf"[+-]?{_DIGITS}")
+_DECIMAL = re.compile(rf"[+-]?(?:{_DIGITS}\.\d*|\.\d+)")
 _SLASH_FRACTION = re.compile(r"([+-]?\d+)/([+-]?\d+)")
-_LATEX_FRACTION = re.compile(r"([+-]?)\\frac(?:\{([+-]?\d+)\}\{([+-]?\d+)\}|(\d)(\d))")
+# \frac{a}{b}, and the shorthand \frac32 / \frac9{19} / \frac{9}2 (one digit, no braces).
+_LATEX_FRACTION = re.compile(r"([+-]?)\\frac(?:\{([+-]?\d+)\}|(\d))(?:\{([+-]?\d+)\}|(\d))")
+_REPEATING = re.compile(r"([+-]?)(\d*)\.(\d*)\\(?:overline|bar)(?:\{(\d+)\}|(\d))")
+# Words after a number: "18miles", "12cm^2", "5miles per hour" (spaces are gone between a
+# digit and a letter, kept between two letters). The first word has two letters or more,
+# so "2x" stays a product.
+_UNIT_WORDS = re.compile(
+    r"(?<=[\d}.])(?P<words>[A-Za-z]{2,}(?:\^\{?[23]\}?)?(?:[ /]?[A-Za-z]+(?:\^\{?[23]\}?)?)*)$"
+)
+_WORD = re.compile(r"[A-Za-z]+")
+# Words that change a number's value or join it to more mathematics: "3 hundred",
+# "2 thirds", "5 squared", "3 and 4", "2 pi" are not the number followed by a unit.
+_VALUE_WORDS = frozenset(
+    "and or to not than more less plus minus times over divided by squared cubed factorial choose mod "
+    "hundred hundreds thousand thousands million millions billion billions trillion trillions dozen dozens "
+    "half halves third thirds quarter quarters fourth fourths fifth fifths sixth sixths seventh sevenths "
+    "eighth eighths ninth ninths tenth tenths hundredth hundredths thousandth thousandths "
+    "pi sqrt sin cos tan cot sec csc log ln exp infinity inf infty".split()
+)
+_MARK_WORDS = {"percent": "percent", "percentage": "percent", "degree": "degrees", "degrees": "degrees"}
+# Marks that change which values are equal (10% may be 0.1, 30 degrees may be pi/6):
+# numbers where only one side has one are left to math-verify's conventions.
+_VALUE_MARKS = frozenset({"percent", "degrees"})
 
 
 @dataclass(frozen=True, slots=True)
 class NormalizedAnswer:
     """An answer after fast-path normalization.
 
-    ``value`` is the exact rational when ``text`` is a plain integer, decimal, ``a/b`` or
-    ``\\frac{a}{b}``; ``is_decimal`` records a decimal point (math-verify then compares
-    with float rounding); ``marks`` names the lossy normalizations applied.
+    ``value`` is the exact rational when ``text`` is a number literal; ``form`` says how
+    it was written (``integer``, ``decimal``, ``fraction``, ``repeating``; ``None`` for
+    anything else); ``marks`` names the lossy normalizations applied;
+    ``for_math_verify`` is the answer rewritten for math-verify when it holds something
+    math-verify reads differently (unit words, a repeating decimal, ``°``), else ``None``.
     """
 
     text: str
     value: Fraction | None
-    is_decimal: bool
+    form: str | None
     marks: frozenset[str]
+    for_math_verify: str | None = None
+
+    @property
+    def is_decimal(self) -> bool:
+        return self.form == "decimal"
 
 
 def _cleanup_token(match: re.Match[str]) -> str:
@@ -108,40 +156,46 @@ def _strip_outer_braces(text: str) -> str:
     return text
 
 
-def _exact_value(text: str) -> tuple[Fraction | None, bool]:
+def latex_cleanup(text: str) -> str:
+    """The meaning-preserving part of normalization: math delimiters, sizing and spacing
+    macros and formatting wrappers (``\\text{}``, ``\\textbf{}``, ``\\mathrm{}``, ``\\boxed{}``)
+    removed, ``\\dfrac`` → ``\\frac``, whitespace dropped where it separates nothing."""
+    text = text.replace("\u2212", "-").replace("{,}", ",")
+    text = _DOLLAR.sub("", text)
+    text = _CLEANUP.sub(_cleanup_token, text)
+    text = _unwrap_macros(text)
+    return _drop_spaces(text.strip())
+
+
+def _exact_value(text: str) -> tuple[Fraction | None, str | None]:
     if len(text) > MAX_NUMBER_CHARS:
-        return None, False
+        return None, None
     if _INTEGER.fullmatch(text):
-        return Fraction(int(text)), False
+        return Fraction(int(text.replace(",", ""))), "integer"
     if _DECIMAL.fullmatch(text):
-        return Fraction(text), True
+        return Fraction(text.replace(",", "")), "decimal"
+    if match := _REPEATING.fullmatch(text):
+        sign, whole, fixed, repeating = match[1], match[2], match[3], match[4] or match[5]
+        value = int(whole or "0") + (
+            int(fixed or "0") + Fraction(int(repeating), 10 ** len(repeating) - 1)
+        ) / 10 ** len(fixed)
+        return (-value if sign == "-" else value), "repeating"
     if match := _SLASH_FRACTION.fullmatch(text):
         numerator, denominator = int(match[1]), int(match[2])
     elif match := _LATEX_FRACTION.fullmatch(text):
-        numerator = int(match[2] if match[2] is not None else match[4])
-        denominator = int(match[3] if match[3] is not None else match[5])
+        numerator = int(match[2] if match[2] is not None else match[3])
+        denominator = int(match[4] if match[4] is not None else match[5])
         if match[1] == "-":
             numerator = -numerator
     else:
-        return None, False
+        return None, None
     if denominator == 0:
-        return None, False
-    return Fraction(numerator, denominator), False
+        return None, None
+    return Fraction(numerator, denominator), "fraction"
 
 
-def normalize_answer(answer: str) -> NormalizedAnswer:
-    """Normalize one extracted answer (or gold answer) for ``fast_compare``."""
-    marks = set()
-    text = answer.replace("\u2212", "-").replace("{,}", ",")
-    if _DOLLAR.search(text):
-        if "\\$" in text:
-            marks.add("currency")
-        text = _DOLLAR.sub("", text)
-    text = _CLEANUP.sub(_cleanup_token, text)
-    text = _unwrap_macros(text)
-    text = _drop_spaces(text.strip())
-    if text.endswith(".") and not text.endswith(".."):
-        text = text[:-1]
+def _strip_decorations(text: str, marks: set[str]) -> str:
+    """Degrees, percent, ``x =`` and redundant braces/parentheses around one token."""
     text = _strip_outer_braces(text)
     if _DEGREE_SUFFIX.search(text):
         marks.add("degrees")
@@ -155,13 +209,72 @@ def normalize_answer(answer: str) -> NormalizedAnswer:
     text = _strip_outer_braces(text)
     if match := _PAREN_SINGLE_TOKEN.match(text):
         text = match[1]
-    value, is_decimal = _exact_value(text)
-    return NormalizedAnswer(text=text, value=value, is_decimal=is_decimal, marks=frozenset(marks))
+    return text
 
 
-def _is_close_call(a: Fraction, b: Fraction) -> bool:
-    scale = max(Fraction(1), abs(a), abs(b))
-    return abs(a - b) <= _CLOSE_CALL_TOLERANCE * scale
+def _unit_phrase_marks(words: str) -> set[str] | None:
+    """The marks a trailing phrase stands for (``percent``, ``degrees``, or none for a
+    unit), or ``None`` when it is not a unit phrase."""
+    names = [word.lower() for word in _WORD.findall(words)]
+    if any(name in _VALUE_WORDS for name in names):
+        return None
+    if len(names) == 1 and names[0] in _MARK_WORDS:
+        return {_MARK_WORDS[names[0]]}
+    return set()
+
+
+def _as_latex(value: Fraction, form: str, text: str, marks: frozenset[str]) -> str:
+    """A number with its marks in LaTeX math-verify reads (the inverse of the lossy steps)."""
+    if form == "repeating":
+        sign = "-" if value < 0 else ""
+        text = f"{sign}\\frac{{{abs(value.numerator)}}}{{{value.denominator}}}"
+    for mark in sorted(marks):
+        if mark == "percent":
+            text += "\\%"
+        elif mark == "degrees":
+            text += "^\\circ"
+        elif mark == "currency":
+            text = "\\$" + text
+        elif mark.startswith("assign:"):
+            text = mark.removeprefix("assign:") + "=" + text
+    return text
+
+
+def normalize_answer(answer: str) -> NormalizedAnswer:
+    """Normalize one extracted answer (or gold answer) for ``fast_compare``."""
+    marks: set[str] = set()
+    if "\\$" in answer:
+        marks.add("currency")
+    cleaned = latex_cleanup(answer)
+    if cleaned.endswith(".") and not cleaned.endswith(".."):
+        cleaned = cleaned[:-1]
+    found_marks = set(marks)
+    text = _strip_decorations(cleaned, found_marks)
+    value, form = _exact_value(text)
+    dropped_units = False
+    if value is None and (units := _UNIT_WORDS.search(cleaned)) is not None:
+        unit_marks = _unit_phrase_marks(units["words"])
+        if unit_marks is not None:
+            unit_marks |= marks
+            number = _strip_decorations(cleaned[: units.start()], unit_marks)
+            number_value, number_form = _exact_value(number)
+            if number_value is not None:
+                text, value, form, found_marks, dropped_units = number, number_value, number_form, unit_marks, True
+    final_marks = frozenset(found_marks)
+    for_math_verify = None
+    if value is not None and (dropped_units or form == "repeating"):
+        for_math_verify = _as_latex(value, form, text, final_marks)
+    elif "°" in answer:
+        for_math_verify = answer.replace("°", "^\\circ")
+    return NormalizedAnswer(text=text, value=value, form=form, marks=final_marks, for_math_verify=for_math_verify)
+
+
+def numbers_agree(answer: Fraction, gold: Fraction, *, decimal: bool) -> bool:
+    """Equal values; when either side was written as a decimal, equal within the
+    tolerance ``min(1e-6, 1e-4 |gold|)`` (module docstring)."""
+    if not decimal:
+        return answer == gold
+    return abs(answer - gold) <= min(_ABSOLUTE_TOLERANCE, _RELATIVE_TOLERANCE * abs(gold))
 
 
 def fast_compare(pred: NormalizedAnswer, gold: NormalizedAnswer) -> bool | None:
@@ -174,8 +287,6 @@ def fast_compare(pred: NormalizedAnswer, gold: NormalizedAnswer) -> bool | None:
         return None
     if pred.value == gold.value:
         return True
-    if pred.marks or gold.marks:
+    if (pred.marks ^ gold.marks) & _VALUE_MARKS:
         return None
-    if (pred.is_decimal or gold.is_decimal) and _is_close_call(pred.value, gold.value):
-        return None
-    return False
+    return numbers_agree(pred.value, gold.value, decimal=pred.is_decimal or gold.is_decimal)

@@ -25,7 +25,20 @@ def verdict(pred: str, gold: str) -> bool | None:
         ("\\textbf{(B)}", "B", None),
         ("x = 2.", "2", Fraction(2)),
         ("\\left( 0 , 1 \\right]", "(0,1]", None),
-        ("1{,}000", "1,000", None),  # thousands separators are left to math-verify
+        ("1{,}000", "1,000", Fraction(1000)),  # thousands separators, also LaTeX's {,}
+        ("1,2", "1,2", None),  # a list, not a thousands separator
+        ("\\frac9{19}", "\\frac9{19}", Fraction(9, 19)),  # MATH's brace-free shorthand
+        ("\\frac 59", "\\frac59", Fraction(5, 9)),
+        ("\\frac{3}{-4}", "\\frac{3}{-4}", Fraction(-3, 4)),
+        (".75", ".75", Fraction(3, 4)),
+        ("1.\\overline{3}", "1.\\overline{3}", Fraction(4, 3)),  # repeating decimals are exact
+        ("0.1\\bar{6}", "0.1\\bar{6}", Fraction(1, 6)),
+        ("18 miles", "18", Fraction(18)),  # unit words carry no value
+        ("5 miles per hour", "5", Fraction(5)),
+        ("12\\text{ cm}^2", "12", Fraction(12)),
+        ("3 hundred", "3hundred", None),  # words that change the value are not units
+        ("2 pi", "2pi", None),
+        ("2x", "2x", None),  # one letter is a variable
         ("1\\,000", "1000", Fraction(1000)),  # a thin space is only spacing
         ("\\pi r^2", "\\pi r^2", None),  # "\pir" would be another macro
         ("2 3", "2 3", None),  # digits are not glued together
@@ -53,6 +66,10 @@ def test_normalize_answer(answer, text, value):
         ("\\$5", {"currency"}),
         ("$5$", set()),  # math delimiters are not currency
         ("\\sin 30^\\circ", {"degrees"}),
+        ("30°", {"degrees"}),
+        ("30 degrees", {"degrees"}),
+        ("28 percent", {"percent"}),
+        ("12 cm", set()),
     ],
 )
 def test_lossy_steps_are_marked(answer, marks):
@@ -85,22 +102,37 @@ def test_true_equalities_are_decided_equal(pred, gold):
 
 @pytest.mark.parametrize(
     ("pred", "gold"),
-    [("0.333", "1/3"), ("2", "-2"), ("12", "1.2"), ("3", "\\frac{1}{3}"), ("0", "1")],
+    [("0.333", "1/3"), ("2", "-2"), ("12", "1.2"), ("3", "\\frac{1}{3}"), ("0", "1"), ("x=3", "2"),
+     (".0000673", ".0000672"), ("0.0000014", "0.000001"), ("0.08333", "\\frac{1}{12}")],
 )
 def test_plain_number_near_misses_are_decided_unequal(pred, gold):
     assert verdict(pred, gold) is False
 
 
 @pytest.mark.parametrize(
+    ("pred", "gold", "agree"),
+    [
+        ("0.333333", "1/3", True),  # 6 decimal places, as math-verify rounds
+        ("0.166667", "1/6", True),
+        ("1.000001", "1", True),  # |a - g| = 1e-6: the absolute bound from 0.01 up
+        ("1.0000011", "1", False),
+        ("0.00006721", "0.0000672", False),  # relative below 0.01: 1e-4 |g| = 6.72e-9
+        ("0.000067200006", "0.0000672", True),
+        ("0", "0.0000001", False),
+    ],
+)
+def test_decimal_tolerance_is_relative_for_small_magnitudes(pred, gold, agree):
+    assert verdict(pred, gold) is agree
+
+
+@pytest.mark.parametrize(
     ("pred", "gold"),
     [
-        ("0.333333", "1/3"),  # math-verify rounds decimals to 6 places: its call
         ("10\\%", "0.1"),  # percent may be a fraction
-        ("x=3", "2"),  # marked: not a plain number
         ("10\\%", "10^\\circ"),  # different lossy steps never compare equal here
         ("2\\sqrt{2}", "\\sqrt{8}"),
         ("\\{1,2\\}", "\\{2,1\\}"),
-        ("1,000", "1000"),
+        ("1,2", "12"),
     ],
 )
 def test_everything_else_is_left_to_math_verify(pred, gold):
