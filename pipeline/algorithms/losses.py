@@ -31,7 +31,8 @@ response token, whether or not any of its tokens was selected.
 ``seq_mean_token_mean``  ``1/|Ŝ| Σ_i 1/|y_i| Σ_{t∈active_i} ℓ`` — GRPO Eq. 1 /
                          GSPO Eq. 3 of D³S, ``|y_i|`` the full response length.
 ``d3s``                  ``1/|Ŝ| Σ_i 1/|𝒯_i| Σ_{t∈𝒯_i} ℓ`` — D³S Eq. 10
-                         (/work/shared/papers/d3s-dynamic-dual-level-down-sampling.txt).
+                         ("Learning More with Less: A Dynamic Dual-Level
+                         Down-Sampling Framework for Efficient Policy Optimization").
                          Eq. 10 writes ``1/|Ŝ| · 1/|𝒯|`` outside both sums with
                          ``𝒯`` the batch-wide selection; read literally that is
                          the token mean scaled by an extra ``1/|Ŝ|``, which only
@@ -39,9 +40,20 @@ response token, whether or not any of its tokens was selected.
                          per-sequence reading ``|𝒯_i| = |𝒯 ∩ y_i|`` that matches
                          the ``1/|y_i|`` structure of Eqs. 1 and 3 it extends;
                          without a ``token_mask`` it equals ``seq_mean_token_mean``.
+``dr_grpo``              ``Σ_{i,t∈active} ℓ / (|Ŝ| · L_max)`` — Dr. GRPO's constant
+                         normaliser ("Understanding R1-Zero-Like Training: A Critical
+                         Perspective", Liu et al. 2025, §3.1: GRPO's ``1/|o_i|`` is
+                         dropped; the authors' code divides each response's token sum
+                         by the generation budget, ``masked_sum(…, constant_normalizer=
+                         generate_max_length)``, and averages over responses).
+                         ``L_max`` is ``max_response_length``, the generation limit the
+                         rollouts were sampled with — a constant, so every token weighs
+                         the same whatever the length of its response; a response with
+                         more tokens than ``L_max`` raises ``ValueError``.
 
 ``normalizer`` replaces the local denominator (token count for
-``token_mean``, sequence count for the other two) by the global one — summed
+``token_mean``, sequence count for ``seq_mean_token_mean`` and ``d3s``, sequence
+count times ``L_max`` for ``dr_grpo``) by the global one — summed
 over every micro-batch and data-parallel rank, see ``loss_denominator`` — so
 that the sum of micro-batch losses is exactly the full-batch loss. The
 per-sequence ``1/|y_i|`` and ``1/|𝒯_i|`` stay local, so a sequence must not be
@@ -64,7 +76,7 @@ Metrics = dict[str, float | torch.Tensor]
 
 __all__ = ["AGGREGATIONS", "grpo_loss", "gspo_loss", "loss_denominator"]
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "d3s")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "d3s", "dr_grpo")
 
 # exp() of a log-ratio beyond this overflows float32 in the surrogate; such a
 # ratio is clipped anyway, so the clamp only removes inf/NaN, never signal.
@@ -105,12 +117,15 @@ def loss_denominator(
     *,
     aggregation: str,
     token_mask: torch.Tensor | None = None,
+    max_response_length: int | None = None,
 ) -> torch.Tensor:
     """The local denominator of ``aggregation`` for one micro-batch, as a float64 scalar.
 
-    ``token_mean``: number of active tokens; the other modes: number of
-    sequences with at least one response token. Sum it over all micro-batches
-    and data-parallel ranks and pass the total as ``normalizer``.
+    ``token_mean``: number of active tokens; ``seq_mean_token_mean`` and
+    ``d3s``: number of sequences with at least one response token; ``dr_grpo``:
+    that number times ``max_response_length`` (required there, ignored by the
+    others). Sum it over all micro-batches and data-parallel ranks and pass the
+    total as ``normalizer``.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {AGGREGATIONS}")
@@ -120,7 +135,24 @@ def loss_denominator(
             token_mask, "token_mask", response_mask.shape
         )
         return active.sum(dtype=torch.float64)
-    return response_mask.any(dim=1).sum(dtype=torch.float64)
+    num_sequences = response_mask.any(dim=1).sum(dtype=torch.float64)
+    if aggregation != "dr_grpo":
+        return num_sequences
+    _check_max_response_length(max_response_length)
+    longest = int(response_mask.sum(dim=1).max()) if response_mask.numel() else 0
+    if longest > max_response_length:
+        raise ValueError(
+            f"a response has {longest} tokens, more than max_response_length={max_response_length}; "
+            "pass the generation limit the rollouts were sampled with"
+        )
+    return num_sequences * max_response_length
+
+
+def _check_max_response_length(max_response_length: int | None) -> None:
+    if max_response_length is None:
+        raise ValueError("aggregation 'dr_grpo' needs max_response_length (the generation limit L_max)")
+    if isinstance(max_response_length, bool) or not isinstance(max_response_length, int) or max_response_length < 1:
+        raise ValueError(f"max_response_length must be an integer ≥ 1, got {max_response_length!r}")
 
 
 def _aggregate(
@@ -130,9 +162,10 @@ def _aggregate(
     response_mask: torch.Tensor,  # (B, T)
     aggregation: str,
     normalizer: float | torch.Tensor | None,
+    max_response_length: int | None,
 ) -> torch.Tensor:
     masked = _masked(per_token, active_mask)
-    if aggregation == "token_mean":
+    if aggregation in ("token_mean", "dr_grpo"):
         numerator = masked.sum()
     else:
         if aggregation == "seq_mean_token_mean":
@@ -142,7 +175,7 @@ def _aggregate(
         numerator = (masked.sum(dim=1) / lengths.clamp(min=1).to(masked.dtype)).sum()
     if normalizer is None:
         denominator = loss_denominator(
-            response_mask, aggregation=aggregation, token_mask=active_mask
+            response_mask, aggregation=aggregation, token_mask=active_mask, max_response_length=max_response_length
         ).to(masked.dtype)
     else:
         denominator = torch.as_tensor(normalizer, dtype=masked.dtype, device=masked.device)
@@ -169,6 +202,7 @@ def _clipped_policy_loss(
     aggregation: str,
     token_mask: torch.Tensor | None,
     normalizer: float | torch.Tensor | None,
+    max_response_length: int | None,
     ref_logprobs: torch.Tensor | None,
     kl_coef: float,
     entropy: torch.Tensor | None,
@@ -185,6 +219,8 @@ def _clipped_policy_loss(
     if entropy_coef and entropy is None:
         raise ValueError("entropy_coef is set but entropy is missing")
     _check_normalizer(normalizer)
+    if aggregation == "dr_grpo" and normalizer is None:
+        _check_max_response_length(max_response_length)
     shape = logprobs.shape
     response_mask = _check_mask(response_mask, "response_mask", shape)
     active = response_mask
@@ -217,7 +253,8 @@ def _clipped_policy_loss(
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)  # (B, T)
 
     aggregate = dict(
-        active_mask=active, response_mask=response_mask, aggregation=aggregation, normalizer=normalizer
+        active_mask=active, response_mask=response_mask, aggregation=aggregation, normalizer=normalizer,
+        max_response_length=max_response_length,
     )
     # Aggregation is linear in the per-token loss, so the terms can be reduced apart
     # and reported individually without a second pass.
@@ -273,6 +310,7 @@ def grpo_loss(
     aggregation: str = "token_mean",
     token_mask: torch.Tensor | None = None,
     normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
@@ -280,12 +318,12 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """GRPO/PPO token-level clipped surrogate with clip-higher.
 
-    D³S Eq. 1 (/work/shared/papers/d3s-dynamic-dual-level-down-sampling.txt,
-    "Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework"),
+    D³S Eq. 1 ("Learning More with Less: A Dynamic Dual-Level Down-Sampling
+    Framework for Efficient Policy Optimization"),
     ratio ``w_{i,t} = π_θ(y_{i,t}) / π_old(y_{i,t})``, with DAPO's asymmetric
     clip range ``[1 − eps_low, 1 + eps_high]`` (defaults 0.2/0.28, as used by
-    Reinforce-Ada §4.1). Aggregation, masks, KL, entropy and ``normalizer``: see
-    the module docstring. Metrics: ``clip_fraction_low``/``_high`` (tokens whose
+    Reinforce-Ada §4.1). Aggregation, masks, KL, entropy, ``normalizer`` and
+    ``max_response_length`` (``dr_grpo`` only): see the module docstring. Metrics: ``clip_fraction_low``/``_high`` (tokens whose
     clipped branch binds — ratio below ``1−eps_low`` with ``A<0``, above
     ``1+eps_high`` with ``A>0``; they carry no gradient), ``ratio_mean``/``max``,
     ``approx_kl`` (k3 of KL(π_old‖π_θ)), ``kl_ref``, ``entropy``, ``pg_loss`` —
@@ -302,6 +340,7 @@ def grpo_loss(
         aggregation=aggregation,
         token_mask=token_mask,
         normalizer=normalizer,
+        max_response_length=max_response_length,
         ref_logprobs=ref_logprobs,
         kl_coef=kl_coef,
         entropy=entropy,
@@ -321,6 +360,7 @@ def gspo_loss(
     aggregation: str = "seq_mean_token_mean",
     token_mask: torch.Tensor | None = None,
     normalizer: float | torch.Tensor | None = None,
+    max_response_length: int | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
@@ -328,7 +368,8 @@ def gspo_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """GSPO clipped surrogate with the sequence-level ratio, token form.
 
-    D³S Eq. 3 (/work/shared/papers/d3s-dynamic-dual-level-down-sampling.txt):
+    D³S Eq. 3 ("Learning More with Less: A Dynamic Dual-Level Down-Sampling
+    Framework for Efficient Policy Optimization"):
     ``s_{i,t} = sg[(π_θ(y_i)/π_old(y_i))^{1/|y_i|}] · π_θ(y_{i,t}) / sg[π_θ(y_{i,t})]``.
     Eq. 3 prints the last denominator as ``sg[π_θold(y_{i,t})]``; a stop-gradient
     on the old policy would be a no-op and would make the value ``s_i · w_{i,t}``
@@ -355,6 +396,7 @@ def gspo_loss(
         aggregation=aggregation,
         token_mask=token_mask,
         normalizer=normalizer,
+        max_response_length=max_response_length,
         ref_logprobs=ref_logprobs,
         kl_coef=kl_coef,
         entropy=entropy,

@@ -1,4 +1,4 @@
-"""Policy losses against float64 loops written from D³S Eqs. 1, 3 and 10."""
+"""Policy losses against float64 loops written from D³S Eqs. 1, 3 and 10 and Dr. GRPO's constant normaliser."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pipeline.algorithms import losses
 from pipeline.algorithms.registry import POLICY_LOSSES
 
 AGGREGATIONS = losses.AGGREGATIONS
+# Dr. GRPO's L_max: larger than the batches' padded width (6), as a generation limit is.
+MAX_RESPONSE_LENGTH = 9
 
 
 # ---------------------------------------------------------------- loop reference
@@ -31,6 +33,7 @@ def reference_loss(
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    max_response_length: int | None = None,
 ) -> torch.Tensor:
     """One token at a time; differentiable through ``logprobs`` and ``entropy``."""
     num_rows, num_cols = logprobs.shape
@@ -67,6 +70,10 @@ def reference_loss(
     zero = torch.zeros((), dtype=logprobs.dtype)
     if aggregation == "token_mean":
         return sum(token_terms, zero) / max(len(token_terms), 1)
+    if aggregation == "dr_grpo":
+        # Σ over every response of its token sum / L_max, averaged over the G responses.
+        num_sequences = sum(1 for i in range(num_rows) if response_mask[i].any())
+        return sum(token_terms, zero) / (max(num_sequences, 1) * max_response_length)
     return sum(per_sequence, zero) / max(len(per_sequence), 1)
 
 
@@ -95,7 +102,8 @@ def test_matches_loop_reference(method, aggregation, use_token_mask, seed):
     # GSPO ratios are ~1 ± small; widen its clip range so both clipped and unclipped sequences occur.
     eps_low, eps_high = (0.2, 0.28) if method == "grpo" else (0.05, 0.08)
     token_mask = token_mask if use_token_mask else None
-    kwargs = dict(eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, token_mask=token_mask)
+    kwargs = dict(eps_low=eps_low, eps_high=eps_high, aggregation=aggregation, token_mask=token_mask,
+                  max_response_length=MAX_RESPONSE_LENGTH)
 
     lp_fast = logprobs.clone().requires_grad_()
     entropy_fast = entropy.clone().requires_grad_()
@@ -233,6 +241,50 @@ def test_d3s_normalizes_by_selected_tokens_and_counts_unselected_sequences():
     assert float(metrics["num_tokens"]) == 2.0 and float(metrics["num_sequences"]) == 2.0
 
 
+def test_dr_grpo_hand_computed():
+    # Ratios all 1 (no clipping), so each token contributes -A. Row 0: 4 tokens with A = 1;
+    # row 1: 2 tokens with A = -1; L_max = 8, G = 2 responses.
+    # dr_grpo = (-4 + 2) / (2 · 8) = -0.125, and every token's gradient is -A/16 whatever its
+    # response's length. seq_mean_token_mean = (-4/4 + 2/2)/2 = 0; token_mean = -2/6.
+    old = torch.zeros(2, 4, dtype=torch.float64)
+    advantages = torch.tensor([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, 0.0, 0.0]], dtype=torch.float64)
+    response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    logprobs = old.clone().requires_grad_()
+    common = dict(old_logprobs=old, advantages=advantages, response_mask=response_mask, max_response_length=8)
+    loss, _ = losses.grpo_loss(logprobs=logprobs, aggregation="dr_grpo", **common)
+    assert loss.item() == -0.125
+    loss.backward()
+    assert logprobs.grad.tolist() == [[-1 / 16] * 4, [1 / 16, 1 / 16, 0.0, 0.0]]
+    assert losses.grpo_loss(logprobs=old, aggregation="seq_mean_token_mean", **common)[0].item() == 0.0
+    assert losses.grpo_loss(logprobs=old, aggregation="token_mean", **common)[0].item() == pytest.approx(-2 / 6)
+    denominator = losses.loss_denominator(response_mask, aggregation="dr_grpo", max_response_length=8)
+    assert denominator.dtype == torch.float64 and denominator.item() == 16.0
+
+
+def test_dr_grpo_needs_a_valid_max_response_length():
+    logprobs, old, advantages, response_mask, *_ = _random_batch(2)
+    common = dict(logprobs=logprobs, old_logprobs=old, advantages=advantages, response_mask=response_mask,
+                  aggregation="dr_grpo")
+    with pytest.raises(ValueError, match="needs max_response_length"):
+        losses.grpo_loss(**common)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="integer ≥ 1"):
+            losses.grpo_loss(max_response_length=bad, **common)
+    longest = int(response_mask.sum(dim=1).max())
+    with pytest.raises(ValueError, match="more than max_response_length"):
+        losses.grpo_loss(max_response_length=longest - 1, **common)
+    losses.grpo_loss(max_response_length=longest, **common)  # a response may use the whole budget
+    # With the global normalizer given, L_max is already inside it.
+    num_sequences = int(response_mask.any(dim=1).sum())  # the padded last row does not count
+    loss, _ = losses.grpo_loss(normalizer=float(num_sequences * MAX_RESPONSE_LENGTH), **common)
+    expected, _ = losses.grpo_loss(max_response_length=MAX_RESPONSE_LENGTH, **common)
+    torch.testing.assert_close(loss, expected)
+    # The other aggregations ignore it.
+    plain, _ = losses.grpo_loss(**dict(common, aggregation="token_mean"))
+    ignored, _ = losses.grpo_loss(max_response_length=1, **dict(common, aggregation="token_mean"))
+    torch.testing.assert_close(plain, ignored)
+
+
 @pytest.mark.parametrize("method", ["grpo", "gspo"])
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @settings(max_examples=10, deadline=None)
@@ -242,7 +294,8 @@ def test_micro_batches_sum_to_full_batch(method, aggregation, seed, cuts):
     # what gradient accumulation and data parallel (sum of grads) rely on.
     logprobs, old, advantages, response_mask, token_mask, ref, entropy = _random_batch(seed, num_rows=6)
     options = dict(aggregation=aggregation, token_mask=token_mask, ref_logprobs=ref, kl_coef=0.1,
-                   entropy=entropy, entropy_coef=0.01, eps_low=0.2, eps_high=0.28)
+                   entropy=entropy, entropy_coef=0.01, eps_low=0.2, eps_high=0.28,
+                   max_response_length=MAX_RESPONSE_LENGTH)
     loss_fn = POLICY_LOSSES.get(method)
 
     full_lp = logprobs.clone().requires_grad_()
@@ -252,7 +305,9 @@ def test_micro_batches_sum_to_full_batch(method, aggregation, seed, cuts):
     bounds = [0, *sorted(cuts), 6]
     parts = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
     normalizer = sum(
-        losses.loss_denominator(response_mask[p], aggregation=aggregation, token_mask=token_mask[p]) for p in parts
+        losses.loss_denominator(response_mask[p], aggregation=aggregation, token_mask=token_mask[p],
+                                max_response_length=MAX_RESPONSE_LENGTH)
+        for p in parts
     )
     micro_lp = logprobs.clone().requires_grad_()
     total = torch.zeros((), dtype=torch.float64)
@@ -284,6 +339,7 @@ def test_nan_outside_mask_does_not_leak(method, aggregation):
             advantages=torch.where(outside, fill, advantages),
             response_mask=response_mask,
             aggregation=aggregation,
+            max_response_length=MAX_RESPONSE_LENGTH,
             ref_logprobs=torch.where(outside, fill, ref),
             kl_coef=0.1,
             entropy=ent,
@@ -322,6 +378,7 @@ def test_fully_masked_batch_gives_zero_loss_and_gradient(method, aggregation):
         advantages=torch.ones(2, 3, dtype=torch.float64),
         response_mask=torch.zeros(2, 3, dtype=torch.bool),
         aggregation=aggregation,
+        max_response_length=MAX_RESPONSE_LENGTH,
     )
     assert loss.item() == 0.0
     loss.backward()
