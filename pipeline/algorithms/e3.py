@@ -1,8 +1,7 @@
 """E3: dynamic rollout budgets and entropy-targeting temperature scheduling.
 
-Paper: /work/shared/papers/e3-rollout-budget-and-temperature.txt — "Enhancing
-Efficiency and Exploration in Reinforcement Learning for LLMs" (Liao, Xi, Chen,
-Leng, Hu, Zeng, Liu, Wan).
+Paper: "Enhancing Efficiency and Exploration in Reinforcement Learning for
+LLMs" (Liao, Xi, Chen, Leng, Hu, Zeng, Liu, Wan).
 
 §4.1 Dynamic rollout budget
     ``accumulate_prompt_rewards``  cumulative reward r^c_i and rollout count n^c_i.
@@ -10,7 +9,9 @@ Leng, Hu, Zeng, Liu, Wan).
     ``RankTracker``                state object around the two above.
     ``e3_budget_bounds``           G_min/G_max start at G and widen by a step per
                                    pass over D up to limits (§4.1, §5.1: step 2).
-    ``e3_rollout_budgets``         Algorithm 1 (batch budget B·G conserved exactly).
+    ``e3_rollout_budgets``         Algorithm 1 (batch budget B·G conserved exactly;
+                                   step 4 in exact integers given ``rank_denominator``).
+    ``rank_numerators``            k_i = n_i/q as exact integers n_i.
 §4.2 Temperature scheduling
     ``entropy_temperature_update`` Eq. 4: τ ← τ·(1 + τ·ln α / (ln|V| + ln ln|V|)).
     ``annealed_target_entropy``    Eq. 5: cosine from H_init to η·H_init.
@@ -39,6 +40,7 @@ __all__ = [
     "e3_budget_bounds",
     "e3_rollout_budgets",
     "entropy_temperature_update",
+    "rank_numerators",
 ]
 
 
@@ -53,6 +55,7 @@ def e3_rollout_budgets(
     group_size: int,
     min_budget: int,
     max_budget: int,
+    rank_denominator: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """Algorithm 1 (Dynamic Rollout Budget): per-prompt rollout counts G_i.
 
@@ -70,6 +73,19 @@ def e3_rollout_budgets(
     stated properties hold: Σ G_i = B·G exactly and G_min ≤ G_i ≤ G_max (which
     needs G_min ≤ G ≤ G_max, checked). If Σ k = 0 the proportional step adds
     nothing and the greedy step distributes everything.
+
+    Exact step 4 (``rank_denominator``): k_i = rank_i/|D| is a fraction, and the
+    quotient ``N_rem · k_i / Σ_j k_j`` is often an integer (ranks (3, 1, 4) of
+    |D| = 5 with N_rem = 24 give 24 · 3/8 = 9), which float division can land
+    just below (8.999…, floored to 8: a rollout moves to the greedy step's
+    hardest prompt). Given ``rank_denominator`` q, every k_i must be a multiple
+    of 1/q (checked); k_i is recovered as the exact fraction n_i/q with
+    n_i = round(k_i · q) — exact for q < 2⁴⁰, since a correctly rounded n/q
+    times q is within far less than 1/2 of n — and step 4 becomes the integer
+    quotient ``⌊N_rem · n_i / Σ_j n_j⌋`` (q cancels), with step 6 ordered by
+    n_i. For the ranks of ``difficulty_ranks`` q = 2·|D| (tied prompts share a
+    half-integer mean rank; an unranked prompt's 1/2 is |D|/q). Without it,
+    step 4 runs in float64 as before.
     """
     if difficulty.dim() != 1:
         raise ValueError(f"difficulty must be 1-D (B,), got shape {tuple(difficulty.shape)}")
@@ -86,10 +102,19 @@ def e3_rollout_budgets(
     total = num_prompts * group_size
     budgets = torch.full((num_prompts,), min_budget, dtype=torch.int64, device=k.device)
     remaining = total - num_prompts * min_budget
-    k_sum = float(k.sum())
-    if k_sum > 0:
-        shares = torch.floor(remaining * (k / k_sum)).to(torch.int64)
-        budgets = torch.clamp(budgets + shares, max=max_budget)
+    if rank_denominator is not None:
+        k = rank_numerators(k, rank_denominator=rank_denominator)  # (B,) int64, k·q exactly
+        k_sum = int(k.sum())
+        if k_sum > 0:
+            if remaining * int(k.max()) >= 2**62:
+                raise ValueError(f"N_rem · max numerator overflows int64 (N_rem={remaining}, q={rank_denominator})")
+            shares = torch.div(remaining * k, k_sum, rounding_mode="floor")
+            budgets = torch.clamp(budgets + shares, max=max_budget)
+    else:
+        k_sum = float(k.sum())
+        if k_sum > 0:
+            shares = torch.floor(remaining * (k / k_sum)).to(torch.int64)
+            budgets = torch.clamp(budgets + shares, max=max_budget)
     remaining = total - int(budgets.sum())
     assert remaining >= 0, remaining
     order = torch.argsort(k, descending=True, stable=True)  # (B,)
@@ -105,6 +130,29 @@ def e3_rollout_budgets(
         "e3/budget_at_max_fraction": float((budgets == max_budget).sum()) / num_prompts if num_prompts else 0.0,
     }
     return budgets, metrics
+
+
+def rank_numerators(difficulty: torch.Tensor, *, rank_denominator: int) -> torch.Tensor:
+    """n_i with k_i = n_i / q exactly, for ``difficulty`` ``(B,)`` float k that are multiples of 1/q.
+
+    ``q = rank_denominator`` (2·|D| for ``difficulty_ranks``). k_i · q is within
+    ~n_i · 2⁻⁵² of the integer n_i for a correctly rounded k_i = fl(n_i/q), so
+    rounding recovers n_i exactly while q < 2⁴⁰; anything further than 1e-3 from
+    an integer is not such a k and raises ``ValueError``. Returns int64 ``(B,)``.
+    """
+    if isinstance(rank_denominator, bool) or not isinstance(rank_denominator, int) or not (
+        1 <= rank_denominator < 2**40
+    ):
+        raise ValueError(f"rank_denominator must be an integer in [1, 2^40), got {rank_denominator!r}")
+    scaled = difficulty.to(torch.float64) * rank_denominator  # (B,)
+    numerators = torch.round(scaled)
+    if scaled.numel() and float((scaled - numerators).abs().max()) > 1e-3:
+        worst = int((scaled - numerators).abs().argmax())
+        raise ValueError(
+            f"difficulty[{worst}] = {float(difficulty[worst])!r} is not a multiple of 1/{rank_denominator}; "
+            "pass the denominator of the ranks (2·|D| for difficulty_ranks)"
+        )
+    return numerators.to(torch.int64)
 
 
 def e3_budget_bounds(

@@ -1,9 +1,10 @@
-"""E3 (e3-rollout-budget-and-temperature.txt): Algorithm 1, §4.1 ranks, Eq. 4 and Eq. 5."""
+"""E3 ("Enhancing Efficiency and Exploration in Reinforcement Learning for LLMs"): Algorithm 1, §4.1 ranks, Eq. 4, Eq. 5."""
 
 from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from pipeline.algorithms.e3 import (
     e3_budget_bounds,
     e3_rollout_budgets,
     entropy_temperature_update,
+    rank_numerators,
 )
 
 # ---------------------------------------------------------------------------
@@ -116,6 +118,59 @@ def test_algorithm1_conserves_budget_within_bounds(k, group, below, above):
     assert not bool((harder & (budgets[:, None] < budgets[None, :])).any()), "harder ⇒ at least as many rollouts"
 
 
+def test_algorithm1_exact_step4_hand_case():
+    # Ranks (3, 1, 4) of |D| = 5: k = (0.6, 0.2, 0.8), B = 3, G = 8, G_min = 0 → N_rem = 24.
+    # Step 4: 24·k/Σk = 24·(3, 1, 4)/8 = (9, 3, 12) exactly, Σ = 24, nothing left for step 6.
+    # In float64, 24 · (0.6 / 1.6) = 8.999…, floored to 8, and step 6 hands that rollout to
+    # the hardest prompt: (8, 3, 13).
+    k = torch.tensor([3 / 5, 1 / 5, 4 / 5], dtype=torch.float64)
+    exact, _ = e3_rollout_budgets(difficulty=k, group_size=8, min_budget=0, max_budget=16, rank_denominator=5)
+    assert exact.tolist() == [9, 3, 12]
+    assert ref_algorithm1([Fraction(3, 5), Fraction(1, 5), Fraction(4, 5)], 8, 0, 16) == [9, 3, 12]
+    as_float, _ = e3_rollout_budgets(difficulty=k, group_size=8, min_budget=0, max_budget=16)
+    assert as_float.tolist() == [8, 3, 13]  # the float path (no rank_denominator) is unchanged
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ranks=st.lists(st.integers(1, 80), min_size=1, max_size=48),
+    extra=st.integers(0, 40),
+    group=st.integers(1, 24),
+    below=st.integers(0, 24),
+    above=st.integers(0, 24),
+    halves=st.booleans(),
+)
+def test_algorithm1_exact_step4_matches_rational_reference(ranks, extra, group, below, above, halves):
+    """With the ranks' denominator, Algorithm 1 equals the step-by-step loop in exact rationals."""
+    num_ranked = max(ranks) + extra  # |D|
+    # difficulty_ranks gives tied prompts half-integer mean ranks: k = (2·rank − 1)/(2|D|) as well.
+    doubled = [2 * r - (1 if halves and i % 2 else 0) for i, r in enumerate(ranks)]
+    q = 2 * num_ranked
+    k = torch.tensor([n / q for n in doubled], dtype=torch.float64)
+    g_min, g_max = max(group - below, 0), group + above
+    got, _ = e3_rollout_budgets(difficulty=k, group_size=group, min_budget=g_min, max_budget=g_max,
+                                rank_denominator=q)
+    assert got.tolist() == ref_algorithm1([Fraction(n, q) for n in doubled], group, g_min, g_max)
+    assert int(got.sum()) == len(ranks) * group
+
+
+def test_rank_numerators_recover_the_fractions_of_difficulty_ranks():
+    # Averages with ties → mean ranks 1, 2.5, 2.5, 4 and an unranked prompt at (|D|+1)/(2|D|).
+    k, _ = difficulty_ranks(reward_sum=torch.tensor([4.0, 2.0, 2.0, 0.0, 0.0]),
+                            num_rollouts=torch.tensor([4, 4, 4, 4, 0]))
+    assert rank_numerators(k, rank_denominator=8).tolist() == [2, 5, 5, 8, 5]
+    # Large |D|: every k = fl(n/q) still rounds back to n.
+    q = 2 * 3_000_017
+    n = torch.arange(1, q + 1, 9_973, dtype=torch.int64)
+    assert torch.equal(rank_numerators(n.double() / q, rank_denominator=q), n)
+    with pytest.raises(ValueError, match="not a multiple of 1/8"):
+        rank_numerators(torch.tensor([0.3]), rank_denominator=8)
+    for bad in (0, 2.0, True, 2**40):
+        with pytest.raises(ValueError, match="rank_denominator"):
+            rank_numerators(torch.tensor([0.5]), rank_denominator=bad)
+    assert rank_numerators(torch.zeros(0), rank_denominator=4).numel() == 0
+
+
 def test_algorithm1_edge_cases():
     # Bounds collapsed to G (the first pass): uniform.
     budgets, _ = e3_rollout_budgets(difficulty=torch.tensor([0.1, 0.9, 0.5]), group_size=8, min_budget=8, max_budget=8)
@@ -131,6 +186,19 @@ def test_algorithm1_edge_cases():
         e3_rollout_budgets(difficulty=torch.tensor([float("nan")]), group_size=4, min_budget=2, max_budget=6)
     with pytest.raises(ValueError, match="non-negative"):
         e3_rollout_budgets(difficulty=torch.tensor([-0.1]), group_size=4, min_budget=2, max_budget=6)
+    # The exact path: Σk = 0, one prompt, an empty batch, a k off the 1/q grid.
+    budgets, _ = e3_rollout_budgets(difficulty=torch.zeros(3), group_size=4, min_budget=2, max_budget=6,
+                                    rank_denominator=4)
+    assert budgets.tolist() == [6, 4, 2]
+    budgets, _ = e3_rollout_budgets(difficulty=torch.tensor([0.5]), group_size=4, min_budget=2, max_budget=6,
+                                    rank_denominator=2)
+    assert budgets.tolist() == [4]
+    budgets, _ = e3_rollout_budgets(difficulty=torch.zeros(0), group_size=4, min_budget=2, max_budget=6,
+                                    rank_denominator=2)
+    assert budgets.numel() == 0
+    with pytest.raises(ValueError, match="not a multiple"):
+        e3_rollout_budgets(difficulty=torch.tensor([0.3, 0.5]), group_size=4, min_budget=2, max_budget=6,
+                           rank_denominator=4)
 
 
 def test_budget_bounds_widen_per_pass_up_to_limits():
