@@ -1,8 +1,7 @@
 """Reinforce-Ada: adaptive per-prompt sampling under the log objective.
 
-Paper: /work/shared/papers/reinforce-ada-adaptive-sampling.txt — "Reinforce-Ada:
-An Adaptive Sampling Framework under Non-linear RL Objectives" (Xiong, Ye, Liao,
-Dong et al.).
+Paper: "Reinforce-Ada: An Adaptive Sampling Framework under Non-linear RL
+Objectives" (Xiong, Ye, Liao, Dong et al.).
 
 What lives here:
 
@@ -18,7 +17,8 @@ Reinforce-Ada-Est (Algorithm 1, §3.1)
     ``PassRateEstimator``     Ada-EMA: N_tot ← λN_tot + n, N_pos ← λN_pos + k,
                               p̂ = (N_pos + α)/(N_tot + α + β).
     ``ada_est_budgets``       line 5: N_x ∝ 1/√(p̂+ε) in [N_min, N_max], Σ N_x =
-                              N_total exactly; Appendix B.1 rule ∝ √((1−p)/p).
+                              N_total exactly; Appendix B.1 rule ∝ √((1−p)/p);
+                              Appendix C.2 implicit weighting ∝ 1/(p̂+ε).
 Appendix D
     ``expected_samples``      exact expected sampling cost of the sequential
                               rules with per-round batches and a cap.
@@ -477,16 +477,23 @@ def ada_est_budgets(
     total: int,
     min_budget: int,
     max_budget: int,
-    rule: Literal["log", "reinforce_baseline"] = "log",
+    rule: Literal["log", "reinforce_baseline", "implicit"] = "log",
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
-    """Reinforce-Ada-Est budget allocation (Algorithm 1 line 5; Appendix B.1).
+    """Reinforce-Ada-Est budget allocation (Algorithm 1 line 5; Appendices B.1, C.2).
 
     ``rule="log"``: N_x ∝ 1/√(p̂_x + ε), the hybrid split of the 1/p weight of
     the log objective (the other 1/√p̂ is the ``inv_sqrt_mean`` weight of ``global_baseline``).
     ``rule="reinforce_baseline"``: N_x ∝ √((1 − p̂_x)/(p̂_x + ε)), the
     variance-optimal allocation for Reinforce with baseline (Appendix B.1,
     Eq. 7); a prompt with p̂ = 1 gets weight 0 and therefore N_min.
+    ``rule="implicit"``: N_x ∝ 1/(p̂_x + ε), the implicit weighting of
+    Appendix C.2 (w_sample = 1/p, w_grad = 1): the whole 1/p weight of the log
+    objective (§2.2, "allocating n_i ∝ 1/p_i") goes into the sample count, so
+    the advantage carries none — pair it with ``global_baseline`` and
+    ``weight="none"``. C.2 reports its batch-level reward eventually falling
+    (hard prompts take the budget); ``min_budget`` is what keeps easy prompts
+    sampled.
     Integerisation and infeasibility are as in ``allocate_proportional_budgets``
     (where the paper says "Σ N_x ≈ N_total", this hits it exactly).
     """
@@ -502,8 +509,10 @@ def ada_est_budgets(
         weights = torch.rsqrt(p + eps)
     elif rule == "reinforce_baseline":
         weights = torch.sqrt((1.0 - p) / (p + eps))
+    elif rule == "implicit":
+        weights = 1.0 / (p + eps)
     else:
-        raise ValueError(f"unknown allocation rule {rule!r}; choose 'log' or 'reinforce_baseline'")
+        raise ValueError(f"unknown allocation rule {rule!r}; choose 'log', 'reinforce_baseline' or 'implicit'")
     return allocate_proportional_budgets(
         weights=weights, total=total, min_budget=min_budget, max_budget=max_budget
     )

@@ -1,4 +1,5 @@
-"""Reinforce-Ada (reinforce-ada-adaptive-sampling.txt): Algorithms 1–2, §3.2, Appendices B and D."""
+"""Reinforce-Ada ("Reinforce-Ada: An Adaptive Sampling Framework under Non-linear RL Objectives"):
+Algorithms 1–2, §3.2, Appendices B, C.2 and D."""
 
 from __future__ import annotations
 
@@ -494,6 +495,67 @@ def test_ada_est_budgets_rules():
     assert budgets[2] == 1 and budgets[0] > budgets[1] > 1 and int(budgets.sum()) == 12
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         ada_est_budgets(pass_rate=torch.tensor([1.5]), total=1, min_budget=1, max_budget=2)
+
+
+def test_implicit_rule_hand_case():
+    # Appendix C.2 implicit weighting, ε → 0: weights 1/p = [25, 4, 1]; total 30 in [1, 20].
+    # c·(25, 4, 1) with the first clipped at 20: 20 + 5c = 30 → c = 2 → [20, 8, 2], all integers.
+    pass_rate = torch.tensor([0.04, 0.25, 1.0], dtype=torch.float64)
+    budgets, metrics = ada_est_budgets(pass_rate=pass_rate, total=30, min_budget=1, max_budget=20, rule="implicit",
+                                       eps=1e-12)
+    assert budgets.tolist() == [20, 8, 2]
+    assert metrics["budget/scale"] == pytest.approx(2 * 25)  # c in units of the largest weight
+    # The hybrid log rule spreads the same budget less steeply: 1/√p = [5, 2, 1].
+    log_budgets, _ = ada_est_budgets(pass_rate=pass_rate, total=30, min_budget=1, max_budget=20, eps=1e-12)
+    assert log_budgets[0] < budgets[0] and log_budgets[2] > budgets[2]
+
+
+def test_implicit_rule_matches_loop_reference():
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(20):
+        num = int(torch.randint(1, 40, (1,), generator=gen))
+        pass_rate = torch.rand(num, generator=gen, dtype=torch.float64)
+        pass_rate[0] = 0.0  # a never-solved prompt: weight 1/ε
+        lo = int(torch.randint(0, 4, (1,), generator=gen))
+        hi = lo + int(torch.randint(1, 30, (1,), generator=gen))
+        total = int(torch.randint(num * lo, num * hi + 1, (1,), generator=gen))
+        got, _ = ada_est_budgets(pass_rate=pass_rate, total=total, min_budget=lo, max_budget=hi, rule="implicit")
+        weights = [1.0 / (p + 1e-6) for p in pass_rate.tolist()]
+        assert got.tolist() == ref_allocation(weights, total, lo, hi), trial
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pass_rate=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=30),
+    lo=st.integers(0, 6),
+    span=st.integers(0, 40),
+    fraction=st.floats(0.0, 1.0),
+)
+def test_implicit_rule_properties(pass_rate, lo, span, fraction):
+    """Σ N_x = N_total exactly, N_x ∈ [N_min, N_max], and a harder prompt never gets fewer samples."""
+    p = torch.tensor(pass_rate, dtype=torch.float64)
+    hi = lo + span
+    total = len(pass_rate) * lo + int(round(fraction * len(pass_rate) * span))
+    budgets, _ = ada_est_budgets(pass_rate=p, total=total, min_budget=lo, max_budget=hi, rule="implicit")
+    assert int(budgets.sum()) == total
+    assert bool((budgets >= lo).all()) and bool((budgets <= hi).all())
+    harder = p[:, None] < p[None, :]
+    assert not bool((harder & (budgets[:, None] < budgets[None, :])).any())
+
+
+def test_implicit_rule_edge_cases():
+    # One prompt takes the whole total; equal pass rates share it evenly.
+    budgets, _ = ada_est_budgets(pass_rate=torch.tensor([0.3]), total=7, min_budget=1, max_budget=8, rule="implicit")
+    assert budgets.tolist() == [7]
+    budgets, _ = ada_est_budgets(pass_rate=torch.full((4,), 0.5), total=12, min_budget=1, max_budget=8,
+                                 rule="implicit")
+    assert budgets.tolist() == [3, 3, 3, 3]
+    budgets, _ = ada_est_budgets(pass_rate=torch.zeros(0), total=0, min_budget=1, max_budget=8, rule="implicit")
+    assert budgets.numel() == 0
+    with pytest.raises(ValueError, match="non-finite"):
+        ada_est_budgets(pass_rate=torch.tensor([float("nan")]), total=1, min_budget=1, max_budget=2, rule="implicit")
+    with pytest.raises(ValueError, match="unknown allocation rule"):
+        ada_est_budgets(pass_rate=torch.tensor([0.5]), total=1, min_budget=1, max_budget=2, rule="inverse")
 
 
 # ---------------------------------------------------------------------------
