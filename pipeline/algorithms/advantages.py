@@ -91,9 +91,9 @@ def grpo_advantages(
     """GRPO advantage ``A_i = (r_i − mean_g r) / (std_g r + eps)``.
 
     DeepSeekMath (Shao et al., 2024) as written in Reinforce-Ada Eq. 2
-    (/work/shared/papers/reinforce-ada-adaptive-sampling.txt, "Reinforce-Ada:
-    Adaptive Sampling ...") and D³S Eq. 2
-    (/work/shared/papers/d3s-dynamic-dual-level-down-sampling.txt). Neither
+    ("Reinforce-Ada: An Adaptive Sampling Framework under Non-linear RL
+    Objectives") and D³S Eq. 2 ("Learning More with Less: A Dynamic Dual-Level
+    Down-Sampling Framework for Efficient Policy Optimization"). Neither
     paper says which std; we use the population std (divide by n), so a group's
     advantages have population variance ``std²/(std+eps)² ≈ 1`` and, for binary rewards,
     ``std = sqrt(p(1−p))`` (Reinforce-Ada App. B, Remark 1). D³S Lemma 1 holds
@@ -167,8 +167,8 @@ def global_baseline_advantages(
 ) -> tuple[torch.Tensor, Metrics]:
     """Reinforce-Ada global-baseline advantage ``A_i = w(r̄_x) · (r_i − r̄_x)``.
 
-    /work/shared/papers/reinforce-ada-adaptive-sampling.txt ("Reinforce-Ada:
-    Adaptive Sampling ..."), Algorithm 2 lines 15-19 and §3.2 "Practical
+    "Reinforce-Ada: An Adaptive Sampling Framework under Non-linear RL
+    Objectives", Algorithm 2 lines 15-19 and §3.2 "Practical
     Implementation via Static Batches": the baseline ``r̄_x`` is the mean reward
     over the *whole pool* collected for prompt x (all ``N_x`` responses of the
     sequential sampling), computed before the pool is down-sampled to the

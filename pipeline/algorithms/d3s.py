@@ -1,8 +1,7 @@
 """D³S: Dynamic Dual-Level Down-Sampling.
 
-Paper: /work/shared/papers/d3s-dynamic-dual-level-down-sampling.txt, "Learning More
-with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient Policy
-Optimization" (Wang, Yang et al.).
+Paper: "Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework
+for Efficient Policy Optimization" (Wang, Yang et al.).
 
 What is implemented here, equation by equation:
 

@@ -1,8 +1,7 @@
 """DEPO: the difficulty estimator's losses and the pre-rollout filter rule.
 
-Paper: /work/shared/papers/depo-difficulty-estimated-policy-optimization.txt —
-"Difficulty-Estimated Policy Optimization" (Zhao, Jiang, Liu, Zeng, Liu, Wang,
-Luo). The estimator model itself lives in ``pipeline/estimator/``; this module
+Paper: "Difficulty-Estimated Policy Optimization" (Zhao, Jiang, Liu, Zeng,
+Liu, Wang, Luo). The estimator model itself lives in ``pipeline/estimator/``; this module
 holds only pure functions.
 
 §3.1.2 training objective, L = L_DE + w_distill·L_distill + w_rank·L_rank

@@ -277,8 +277,9 @@ def token_logprobs_and_entropy(
     in sampling, so the log-probs match the distribution the rollout engine
     sampled from.
 
-    Entropy here is the per-token entropy of D³S Eq. 8
-    (/work/shared/papers/d3s-dynamic-dual-level-down-sampling.txt). Returns a
+    Entropy here is the per-token entropy of D³S Eq. 8 ("Learning More with
+    Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient Policy
+    Optimization"). Returns a
     ``TokenLogprobs`` (no metrics: nothing here is worth logging per step).
     """
     if hidden.dim() != 2 or output_weight.dim() != 2:

@@ -1,11 +1,10 @@
 """PODS: max-variance down-sampling of rollouts by reward.
 
 PODS is Xu, Savani, Fang and Kolter (2025), "Not All Rollouts are Useful:
-Down-Sampling Rollouts in LLM Reinforcement Learning" (arXiv:2504.13818). Its
-paper is not in /work/shared/papers; the method is implemented as described by
-the D³S paper (/work/shared/papers/d3s-dynamic-dual-level-down-sampling.txt,
-"Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for
-Efficient Policy Optimization"), which uses it as its baseline: Sec. 2.2 and
+Down-Sampling Rollouts in LLM Reinforcement Learning" (arXiv:2504.13818). It is
+implemented as described by the D³S paper ("Learning More with Less: A Dynamic
+Dual-Level Down-Sampling Framework for Efficient Policy Optimization"), which
+uses it as its baseline: Sec. 2.2 and
 Sec. 3.1 ("maximizing Var(R)" over a subset, the optimum being the highest plus
 the lowest values), Sec. 4.1 ("a down-sampling strategy via maximizing reward
 variance") and App. D.2 (intra-group selection).

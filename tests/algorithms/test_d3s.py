@@ -1,4 +1,5 @@
-"""D³S (d3s-dynamic-dual-level-down-sampling.txt): Eq. 6–9, variants, metrics."""
+"""D³S ("Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient Policy Optimization"):
+Eq. 6–9, variants, metrics."""
 
 from __future__ import annotations
 

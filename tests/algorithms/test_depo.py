@@ -1,4 +1,4 @@
-"""DEPO (depo-difficulty-estimated-policy-optimization.txt): §3.1.2 losses, §3 / §3.2 filter."""
+"""DEPO ("Difficulty-Estimated Policy Optimization"): §3.1.2 losses, §3 / §3.2 filter."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""PODS (Xu et al. 2025, as described in d3s-dynamic-dual-level-down-sampling.txt)."""
+"""PODS (Xu et al. 2025, as described in the D³S paper, "Learning More with Less: A Dynamic Dual-Level
+Down-Sampling Framework for Efficient Policy Optimization")."""
 
 from __future__ import annotations
 
