@@ -18,53 +18,39 @@ tensor transform and the tensor-parallel mode. Every function below — HF →
 megatron, megatron → HF, TP split, TP merge, the expected shapes — reads that
 table; no direction has its own hand-written copy.
 
-Layouts (megatron-core 0.16.1, ``SelfAttention.get_query_key_value_tensors`` and
-``MLP.forward``):
+The layout rules (fused q/k/v and gate/up rows, which dimension each tensor-parallel
+mode splits, vocabulary padding, the pipeline layer split) live once in
+``pipeline.models.layout``; this module binds them to names and shapes. ``LayerSplit``,
+``MegatronLayout``, ``ModelDims``, ``Parallel``, ``Transform`` and ``padded_vocab_size``
+are re-exported from there. A map row's TP partition is
+``layout.tp_partition(row.parallel, row.transform)``; ``split_tp`` / ``merge_tp`` here take
+a ``ResolvedParam`` and name it in errors.
 
-* ``linear_qkv`` rows are grouped per query group ``g``:
-  ``[q heads of g (num_heads / num_groups heads), k_g, v_g]`` for g = 0..G-1,
-  each head ``head_dim`` rows; the bias follows the same layout. Query head ``h``
-  uses group ``h // (num_heads / num_groups)`` in both HF (``repeat_kv``) and
-  megatron, so the interleave is a pure row permutation.
-* ``linear_fc1`` rows are ``[gate; up]``: megatron's GLU chunks the output in two
-  and applies the activation to the first half.
-* RoPE: both HF and megatron (``rotary_interleaved=False``) rotate halves, so
-  q/k rows need no permutation (unlike Meta's original checkpoints).
-
-Tensor parallelism (``split_tp`` / ``merge_tp``):
-
-* column (dim 0). ``linear_qkv`` is split per query group, which with the
-  interleaved layout is a contiguous dim-0 chunk: each rank gets whole groups,
-  its own q/k/v. With fewer groups than ranks (``tp % groups == 0``) megatron
-  0.16.1 stores a contiguous 1/tp slice and all-gathers in the forward pass; the
-  same chunk. ``linear_fc1`` is split per half: rank r holds
-  ``[gate_r; up_r]``, not a contiguous chunk of ``[gate; up]``.
-* row (dim 1): ``linear_proj``, ``linear_fc2``.
-* vocab (dim 0 of the *padded* vocabulary): ``word_embeddings``,
-  ``output_layer``. Megatron-LM pads the vocabulary to a multiple of
-  ``make_vocab_size_divisible_by * tp`` (``_vocab_size_with_padding`` in
-  ``megatron/training/tokenizer/tokenizer.py``; megatron-core itself takes the
-  padded size as ``GPTModel(vocab_size=...)``). HF → megatron appends zero rows;
-  megatron → HF drops the padded rows.
-* replicated: the norms; merging checks all ranks hold identical values.
-
-Pipeline parallelism: ``LayerSplit`` reproduces megatron's layer assignment
-(``get_num_layers_to_build`` / ``get_transformer_layer_offset``, without virtual
-pipeline stages or ``pipeline_model_parallel_layout``). Module names inside a
-stage use local layer indices; the embedding lives on the first stage, the
-final norm and output layer on the last. With tied embeddings and more than one
-stage megatron keeps a copy of the embedding as ``output_layer.weight`` on the
-last stage; with one stage there is no ``output_layer.weight``.
+Pipeline stages: module names inside a stage use local layer indices; the embedding
+lives on the first stage, the final norm and output layer on the last. With tied
+embeddings and more than one stage megatron keeps a copy of the embedding as
+``output_layer.weight`` on the last stage; with one stage there is no
+``output_layer.weight``.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
-from typing import Iterator, Literal, Protocol, Sequence
+from typing import Iterator, Sequence
 
 import torch
+
+from pipeline.models import layout as _layout
+from pipeline.models.layout import (
+    LayerSpec,
+    LayerSplit,
+    MegatronLayout,
+    ModelDims,
+    Parallel,
+    Transform,
+    padded_vocab_size,
+)
 
 __all__ = [
     "LayerSpec",
@@ -87,42 +73,6 @@ __all__ = [
     "resolve_params",
     "split_tp",
 ]
-
-LayerSpec = Literal["local", "te"]
-_LAYER_SPECS: tuple[str, ...] = ("local", "te")
-
-
-class ModelDims(Protocol):
-    """The fields of ``pipeline.models.ModelSpec`` the map needs."""
-
-    vocab_size: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    qkv_bias: bool
-    tie_embeddings: bool
-
-    @property
-    def kv_channels(self) -> int: ...
-
-
-class Transform(enum.Enum):
-    """How HF tensors become one megatron tensor (and back)."""
-
-    IDENTITY = "identity"
-    QKV = "qkv"  # q, k, v -> interleaved per query group
-    GATE_UP = "gate_up"  # gate, up -> concatenated
-
-
-class Parallel(enum.Enum):
-    """Tensor-parallel mode of a megatron parameter."""
-
-    COLUMN = "column"
-    ROW = "row"
-    VOCAB = "vocab"
-    REPLICATED = "replicated"
 
 
 class Stage(enum.Enum):
@@ -267,206 +217,6 @@ assert _EMBEDDING.megatron == "embedding.word_embeddings.weight"
 assert _OUTPUT.megatron == "output_layer.weight"
 
 
-def padded_vocab_size(vocab_size: int, *, make_vocab_size_divisible_by: int, tp_size: int) -> int:
-    """Megatron-LM's padded vocabulary: the next multiple of ``make_vocab_size_divisible_by * tp_size``.
-
-    Megatron-LM's ``--make-vocab-size-divisible-by`` defaults to 128.
-    """
-    if vocab_size < 1 or make_vocab_size_divisible_by < 1 or tp_size < 1:
-        raise ValueError(
-            f"vocab_size ({vocab_size}), make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) "
-            f"and tp_size ({tp_size}) must be positive"
-        )
-    multiple = make_vocab_size_divisible_by * tp_size
-    return math.ceil(vocab_size / multiple) * multiple
-
-
-_pad_vocab = padded_vocab_size  # MegatronLayout.build's keyword of the same name shadows it
-
-
-@dataclass(frozen=True, slots=True)
-class LayerSplit:
-    """Decoder layers per pipeline stage, in stage order."""
-
-    layers_per_stage: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if not self.layers_per_stage or any(n < 0 for n in self.layers_per_stage):
-            raise ValueError(f"layers_per_stage must be non-empty and non-negative, got {self.layers_per_stage}")
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        num_layers: int,
-        pp_size: int,
-        num_layers_in_first_stage: int | None = None,
-        num_layers_in_last_stage: int | None = None,
-    ) -> LayerSplit:
-        """Megatron's split: even, or with explicit first/last stage sizes and the rest even.
-
-        Mirrors ``TransformerConfig.num_layers_in_{first,last}_pipeline_stage``; like
-        megatron, the remaining layers must divide evenly over the middle stages.
-        """
-        if pp_size < 1:
-            raise ValueError(f"pp_size must be >= 1, got {pp_size}")
-        if pp_size == 1:
-            if num_layers_in_first_stage is not None or num_layers_in_last_stage is not None:
-                raise ValueError("num_layers_in_first/last_stage need pp_size > 1")
-            return cls((num_layers,))
-        first = num_layers_in_first_stage
-        last = num_layers_in_last_stage
-        num_middle_stages = pp_size - (first is not None) - (last is not None)
-        num_middle_layers = num_layers - (first or 0) - (last or 0)
-        if num_middle_layers < 0 or (num_middle_stages == 0 and num_middle_layers != 0):
-            raise ValueError(
-                f"cannot place {num_layers} layers on {pp_size} stages with first={first}, last={last}"
-            )
-        if num_middle_stages > 0 and num_middle_layers % num_middle_stages != 0:
-            raise ValueError(
-                f"{num_middle_layers} layers do not divide evenly over {num_middle_stages} pipeline "
-                f"stages (num_layers={num_layers}, pp_size={pp_size}, first={first}, last={last})"
-            )
-        per_middle = num_middle_layers // num_middle_stages if num_middle_stages else 0
-        counts = [per_middle] * pp_size
-        if first is not None:
-            counts[0] = first
-        if last is not None:
-            counts[-1] = last
-        return cls(tuple(counts))
-
-    @property
-    def pp_size(self) -> int:
-        return len(self.layers_per_stage)
-
-    @property
-    def num_layers(self) -> int:
-        return sum(self.layers_per_stage)
-
-    def offset(self, pp_rank: int) -> int:
-        """Global index of ``pp_rank``'s first layer."""
-        self._check_rank(pp_rank)
-        return sum(self.layers_per_stage[:pp_rank])
-
-    def locate(self, global_layer: int) -> tuple[int, int]:
-        """``global_layer`` → ``(pp_rank, local_layer)``."""
-        if not 0 <= global_layer < self.num_layers:
-            raise ValueError(f"layer {global_layer} out of range [0, {self.num_layers})")
-        start = 0
-        for pp_rank, count in enumerate(self.layers_per_stage):
-            if global_layer < start + count:
-                return pp_rank, global_layer - start
-            start += count
-        raise AssertionError("unreachable: the range check above covers every layer")
-
-    def global_layer(self, pp_rank: int, local_layer: int) -> int:
-        """``(pp_rank, local_layer)`` → global layer index."""
-        self._check_rank(pp_rank)
-        if not 0 <= local_layer < self.layers_per_stage[pp_rank]:
-            raise ValueError(
-                f"local layer {local_layer} out of range for pipeline stage {pp_rank} "
-                f"with {self.layers_per_stage[pp_rank]} layers"
-            )
-        return self.offset(pp_rank) + local_layer
-
-    def _check_rank(self, pp_rank: int) -> None:
-        if not 0 <= pp_rank < self.pp_size:
-            raise ValueError(f"pp_rank {pp_rank} out of range [0, {self.pp_size})")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MegatronLayout:
-    """How a megatron model is laid out: layer spec, TP size, PP layer split, padded vocabulary."""
-
-    layer_spec: LayerSpec = "local"
-    tp_size: int = 1
-    layer_split: LayerSplit
-    padded_vocab_size: int
-
-    def __post_init__(self) -> None:
-        if self.layer_spec not in _LAYER_SPECS:
-            raise ValueError(f"layer_spec must be one of {_LAYER_SPECS}, got {self.layer_spec!r}")
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.padded_vocab_size % self.tp_size != 0:
-            raise ValueError(
-                f"padded_vocab_size {self.padded_vocab_size} is not divisible by tp_size {self.tp_size}"
-            )
-
-    @classmethod
-    def build(
-        cls,
-        dims: ModelDims,
-        *,
-        layer_spec: LayerSpec = "local",
-        tp_size: int = 1,
-        pp_size: int = 1,
-        num_layers_in_first_stage: int | None = None,
-        num_layers_in_last_stage: int | None = None,
-        make_vocab_size_divisible_by: int = 1,
-        padded_vocab_size: int | None = None,
-    ) -> MegatronLayout:
-        """A layout for ``dims``; the vocabulary is padded by Megatron-LM's rule.
-
-        The default ``make_vocab_size_divisible_by=1`` pads only up to a multiple of
-        ``tp_size``: no padding for the vocabularies of Llama 3 and Qwen2.5 (multiples of
-        128), matching ``pipeline.models.build_gpt_model``, which builds the embedding with
-        ``spec.vocab_size`` rows. Pass 128 for checkpoints made by Megatron-LM with its
-        default, and ``padded_vocab_size`` explicitly for a checkpoint trained at another TP
-        size: its padding was fixed when it was created.
-        """
-        if padded_vocab_size is None:
-            padded_vocab_size = _pad_vocab(
-                dims.vocab_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by, tp_size=tp_size
-            )
-        if padded_vocab_size < dims.vocab_size:
-            raise ValueError(f"padded_vocab_size {padded_vocab_size} < vocab_size {dims.vocab_size}")
-        layout = cls(
-            layer_spec=layer_spec,
-            tp_size=tp_size,
-            layer_split=LayerSplit.build(
-                num_layers=dims.num_layers,
-                pp_size=pp_size,
-                num_layers_in_first_stage=num_layers_in_first_stage,
-                num_layers_in_last_stage=num_layers_in_last_stage,
-            ),
-            padded_vocab_size=padded_vocab_size,
-        )
-        layout.check(dims)
-        return layout
-
-    @property
-    def pp_size(self) -> int:
-        return self.layer_split.pp_size
-
-    def check(self, dims: ModelDims) -> None:
-        """Raise ``ValueError`` if ``dims`` cannot be laid out this way."""
-        if self.layer_split.num_layers != dims.num_layers:
-            raise ValueError(
-                f"layer split {self.layer_split.layers_per_stage} covers {self.layer_split.num_layers} "
-                f"layers, the model has {dims.num_layers}"
-            )
-        if self.padded_vocab_size < dims.vocab_size:
-            raise ValueError(f"padded_vocab_size {self.padded_vocab_size} < vocab_size {dims.vocab_size}")
-        _check_head_dims(dims)
-        tp = self.tp_size
-        groups = dims.num_query_groups
-        if dims.num_attention_heads % tp != 0:
-            raise ValueError(f"num_attention_heads {dims.num_attention_heads} is not divisible by tp_size {tp}")
-        if groups % tp != 0 and tp % groups != 0:
-            raise ValueError(f"num_query_groups {groups} and tp_size {tp}: one must divide the other")
-        if dims.ffn_hidden_size % tp != 0:
-            raise ValueError(f"ffn_hidden_size {dims.ffn_hidden_size} is not divisible by tp_size {tp}")
-
-
-def _check_head_dims(dims: ModelDims) -> None:
-    if dims.num_attention_heads % dims.num_query_groups != 0:
-        raise ValueError(
-            f"num_attention_heads {dims.num_attention_heads} is not divisible by "
-            f"num_query_groups {dims.num_query_groups}"
-        )
-
-
 def _applies(entry: ParamMapping, dims: ModelDims) -> bool:
     if entry.when is When.QKV_BIAS:
         return dims.qkv_bias
@@ -567,12 +317,8 @@ def _megatron_full_shape(entry: ParamMapping, *, dims: ModelDims, padded_vocab: 
     return (rows, *hf_shapes[0][1:])
 
 
-def _megatron_shard_shape(entry: ParamMapping, *, full_shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
-    if entry.parallel in (Parallel.COLUMN, Parallel.VOCAB):
-        return (full_shape[0] // tp_size, *full_shape[1:])
-    if entry.parallel is Parallel.ROW:
-        return (full_shape[0], full_shape[1] // tp_size, *full_shape[2:])
-    return full_shape
+def _partition(entry: ParamMapping) -> _layout.TPPartition:
+    return _layout.tp_partition(entry.parallel, entry.transform)
 
 
 def expected_hf_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
@@ -596,7 +342,9 @@ def expected_megatron_shapes(
     for param in resolve_params(dims, layout=layout, pp_rank=pp_rank):
         full_shape = _megatron_full_shape(param.entry, dims=dims, padded_vocab=layout.padded_vocab_size)
         shapes[param.megatron_name] = (
-            _megatron_shard_shape(param.entry, full_shape=full_shape, tp_size=layout.tp_size) if sharded else full_shape
+            _layout.tp_shard_shape(full_shape, partition=_partition(param.entry), tp_size=layout.tp_size)
+            if sharded
+            else full_shape
         )
     return shapes
 
@@ -611,37 +359,18 @@ def hf_to_megatron_tensor(
 ) -> torch.Tensor:
     """The unsharded megatron tensor of ``param`` from its HF tensors (in ``param.hf_names`` order).
 
-    Pure data movement: values and dtype are unchanged, so the inverse is bit-exact. An
-    identity row may return its input tensor itself.
+    Pure data movement (``layout.fuse``, ``layout.pad_vocab``): values and dtype are
+    unchanged, so the inverse is bit-exact. An identity row may return its input tensor itself.
     """
     entry = param.entry
     if len(hf_tensors) != len(param.hf_names):
         raise ValueError(f"{param.megatron_name}: expected {len(param.hf_names)} HF tensors, got {len(hf_tensors)}")
     for tensor, name, shape in zip(hf_tensors, param.hf_names, _hf_shapes_of(entry, dims)):
         _check_shape(tensor, expected=shape, what=f"HF tensor {name!r}")
-    if entry.transform is Transform.QKV:
-        q, k, v = hf_tensors  # (Q, ...), (KV, ...), (KV, ...)
-        groups = dims.num_query_groups
-        rest = tuple(q.shape[1:])
-        # Rows per group: [q heads of the group, k head, v head].
-        grouped = torch.cat(
-            (q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)), dim=1
-        )  # (G, (Q + 2 KV) / G, ...)
-        return grouped.reshape(-1, *rest)
-    if entry.transform is Transform.GATE_UP:
-        gate, up = hf_tensors  # (F, H), (F, H)
-        return torch.cat((gate, up), dim=0)  # (2F, H)
-    (tensor,) = hf_tensors
-    if entry.parallel is Parallel.VOCAB and padded_vocab_size != tensor.shape[0]:
-        if padded_vocab_size < tensor.shape[0]:
-            raise ValueError(
-                f"{param.megatron_name}: padded_vocab_size {padded_vocab_size} < vocab_size {tensor.shape[0]}"
-            )
-        # Padded token ids never occur in inputs; zero output rows give them logit 0, so
-        # consumers must slice logits to the true vocabulary before a softmax.
-        padding = tensor.new_zeros((padded_vocab_size - tensor.shape[0], *tensor.shape[1:]))
-        return torch.cat((tensor, padding), dim=0)  # (padded V, H)
-    return tensor
+    fused = _layout.fuse(entry.transform, hf_tensors, dims=dims)
+    if entry.parallel is Parallel.VOCAB:
+        return _layout.pad_vocab(fused, padded_vocab_size=padded_vocab_size, name=param.megatron_name)
+    return fused
 
 
 def megatron_to_hf_tensors(
@@ -658,49 +387,18 @@ def megatron_to_hf_tensors(
         expected=_megatron_full_shape(entry, dims=dims, padded_vocab=padded_vocab_size),
         what=f"megatron tensor {param.megatron_name!r} (unsharded)",
     )
-    hf_shapes = _hf_shapes_of(entry, dims)
-    if entry.transform is Transform.QKV:
-        groups = dims.num_query_groups
-        rest = tuple(tensor.shape[1:])
-        head_dim = dims.kv_channels
-        q_rows_per_group = dims.num_attention_heads // groups * head_dim
-        grouped = tensor.reshape(groups, -1, *rest)  # (G, (Q + 2 KV) / G, ...)
-        q, k, v = torch.split(grouped, (q_rows_per_group, head_dim, head_dim), dim=1)
-        return tuple(part.reshape(shape) for part, shape in zip((q, k, v), hf_shapes))
-    if entry.transform is Transform.GATE_UP:
-        return tuple(torch.chunk(tensor, 2, dim=0))
     if entry.parallel is Parallel.VOCAB:
-        return (tensor[: dims.vocab_size],)
-    return (tensor,)
+        tensor = _layout.unpad_vocab(tensor, vocab_size=dims.vocab_size)
+    return _layout.unfuse(entry.transform, tensor, dims=dims)
 
 
 def split_tp(param: ResolvedParam, full: torch.Tensor, *, tp_size: int) -> list[torch.Tensor]:
-    """The ``tp_size`` shards of the unsharded megatron tensor ``full``, rank order.
+    """The ``tp_size`` shards of the unsharded megatron tensor ``full``, rank order (``layout.split_tp``).
 
     Shards are views of ``full`` except for ``linear_fc1`` (concatenated halves); a
     replicated parameter returns ``full`` itself for every rank.
     """
-    entry = param.entry
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    if entry.parallel is Parallel.REPLICATED:
-        return [full] * tp_size
-    dim = 1 if entry.parallel is Parallel.ROW else 0
-    if full.shape[dim] % tp_size != 0:
-        raise ValueError(
-            f"{param.megatron_name}: dim {dim} of shape {tuple(full.shape)} is not divisible by tp_size {tp_size}"
-        )
-    if entry.transform is Transform.GATE_UP:
-        gate, up = torch.chunk(full, 2, dim=0)  # (F, H) each
-        if gate.shape[0] % tp_size != 0:
-            raise ValueError(f"{param.megatron_name}: ffn size {gate.shape[0]} is not divisible by tp_size {tp_size}")
-        return [
-            torch.cat((gate_shard, up_shard), dim=0)  # (2F / tp, H)
-            for gate_shard, up_shard in zip(torch.chunk(gate, tp_size, dim=0), torch.chunk(up, tp_size, dim=0))
-        ]
-    # linear_qkv included: the per-group interleave makes each contiguous chunk hold whole
-    # query groups (or, with fewer groups than ranks, megatron's contiguous 1/tp slice).
-    return list(torch.chunk(full, tp_size, dim=dim))
+    return _layout.split_tp(full, partition=_partition(param.entry), tp_size=tp_size, name=param.megatron_name)
 
 
 def merge_tp(param: ResolvedParam, shards: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -709,22 +407,4 @@ def merge_tp(param: ResolvedParam, shards: Sequence[torch.Tensor]) -> torch.Tens
     Raises ``ValueError`` if a replicated parameter differs between ranks: merging would
     otherwise silently keep one rank's copy.
     """
-    entry = param.entry
-    if not shards:
-        raise ValueError(f"{param.megatron_name}: no shards to merge")
-    shapes = {tuple(shard.shape) for shard in shards}
-    if len(shapes) != 1:
-        raise ValueError(f"{param.megatron_name}: TP shards have different shapes {sorted(shapes)}")
-    if entry.parallel is Parallel.REPLICATED:
-        for tp_rank, shard in enumerate(shards[1:], start=1):
-            if not torch.equal(shard, shards[0]):
-                raise ValueError(
-                    f"{param.megatron_name}: replicated parameter differs between TP rank 0 and TP rank {tp_rank}"
-                )
-        return shards[0]
-    if len(shards) == 1:
-        return shards[0]
-    if entry.transform is Transform.GATE_UP:
-        halves = [torch.chunk(shard, 2, dim=0) for shard in shards]  # [(gate_r, up_r)]
-        return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim=0)  # (2F, H)
-    return torch.cat(list(shards), dim=1 if entry.parallel is Parallel.ROW else 0)
+    return _layout.merge_tp(shards, partition=_partition(param.entry), name=param.megatron_name)

@@ -4,10 +4,12 @@
 * ``layer_spec``: ``select_layer_spec`` (Transformer Engine/FP8 or megatron's local
   modules), ``LayerSpecChoice``, ``FP8Options``.
 * ``factory``: ``build_transformer_config``, ``build_gpt_model``.
-* ``sharding``: ``shard_full_state_dict`` (a full state dict -> one TP/PP rank's shard).
+* ``layout``: the TP/PP/vocabulary layout, written once (``MegatronLayout``,
+  ``LayerSplit``, ``split_tp``/``merge_tp``, vocabulary padding, fused q/k/v and
+  gate/up rows) and ``shard_full_state_dict`` (a full state dict -> one TP/PP rank's shard).
 
-Only ``ModelSpec`` is imported eagerly; the rest import megatron-core (seconds)
-and load on first attribute access.
+Only ``ModelSpec`` is imported eagerly; the rest load on first attribute access
+(all but ``layout`` import megatron-core, which takes seconds).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ _LAZY_EXPORTS = {
     "select_layer_spec": "pipeline.models.layer_spec",
     "build_gpt_model": "pipeline.models.factory",
     "build_transformer_config": "pipeline.models.factory",
-    "shard_full_state_dict": "pipeline.models.sharding",
+    "shard_full_state_dict": "pipeline.models.layout",
 }
 
 __all__ = ["ModelSpec", *_LAZY_EXPORTS]

@@ -42,7 +42,7 @@ from pipeline.algorithms.logprobs import token_logprobs_and_entropy
 from pipeline.config import OptimConfig, TrainerConfig
 from pipeline.models.factory import build_gpt_model
 from pipeline.models.layer_spec import FP8Options, select_layer_spec
-from pipeline.models.sharding import shard_full_state_dict
+from pipeline.models.layout import shard_full_state_dict
 from pipeline.models.spec import ModelSpec
 from pipeline.parallel.context import ParallelContext
 from pipeline.trainer.batch import TrainBatch, plan_micro_batches

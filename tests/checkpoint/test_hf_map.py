@@ -9,20 +9,16 @@ from hypothesis import strategies as st
 
 from pipeline.checkpoint.hf_map import (
     PARAM_MAP,
-    LayerSplit,
-    MegatronLayout,
-    Parallel,
     ResolvedParam,
-    Transform,
     expected_hf_shapes,
     expected_megatron_shapes,
     hf_to_megatron_tensor,
     merge_tp,
     megatron_to_hf_tensors,
-    padded_vocab_size,
     resolve_params,
     split_tp,
 )
+from pipeline.models.layout import LayerSplit, MegatronLayout, Parallel, Transform, padded_vocab_size
 from tests.checkpoint.tiny_models import SPEC_CASES, build_hf_model, hf_saved_state, spec_case_id, tiny_spec
 
 

@@ -155,8 +155,8 @@ def _tp2_then_pp2_worker(rank: int, world_size: int, cases: list[tuple[object, d
     import torch.distributed as dist
 
     from pipeline.models.factory import build_gpt_model
-    from pipeline.models.sharding import shard_full_state_dict
     from pipeline.parallel.context import ParallelContext
+    from tests.oracles.sharding import shard_full_state_dict
 
     # One process group for both layouts: megatron's groups are rebuilt on top of it.
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

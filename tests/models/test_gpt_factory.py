@@ -1,4 +1,4 @@
-"""build_transformer_config / build_gpt_model / shard_full_state_dict on a one-rank gloo group (CPU)."""
+"""build_transformer_config / build_gpt_model / layout.shard_full_state_dict on a one-rank gloo group (CPU)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import torch.nn.functional as F
 
 from pipeline.models.factory import CPU_DISABLED_FUSIONS, build_gpt_model, build_transformer_config
 from pipeline.models.layer_spec import LayerSpecChoice
-from pipeline.models.sharding import global_parameter_name, shard_full_state_dict
+from pipeline.models.layout import TPPartition, global_parameter_name, shard_full_state_dict
 from pipeline.models.spec import ModelSpec
 
 from tests.distributed_utils import one_rank_context
+from tests.oracles.sharding import partition_of
 
 VOCAB, HIDDEN, FFN, HEADS, GROUPS, SEQ = 128, 64, 96, 4, 2, 12
 HEAD_DIM = HIDDEN // HEADS
@@ -164,6 +165,15 @@ def test_shard_full_state_dict_on_one_rank_is_the_identity(context):
     assert all(torch.equal(local[name], full[name]) for name in full)
     fc2 = "decoder.layers.1.mlp.linear_fc2.weight"
     assert global_parameter_name(model, fc2) == fc2  # one stage: local and global names agree
+
+
+@pytest.mark.parametrize("changes", [{}, QWEN], ids=["llama", "qwen2"])
+def test_megatrons_partition_marks_are_the_oracles_table(context, changes):
+    # The table-driven oracle of tests/models/test_layout.py stands for these marks.
+    model = build_gpt_model(_spec(**changes), parallel_context=context, seed=1)
+    for name, parameter in model.named_parameters():
+        partition = TPPartition.of_megatron_parameter(parameter)
+        assert (partition.dim, partition.stride) == partition_of(name), name
 
 
 def test_shard_full_state_dict_errors(context):

@@ -139,8 +139,8 @@ def _megatron_grad_norm(model, ctx) -> float:
 
 def _run_config(rank: int, *, tie_embeddings: bool, layouts: list[tuple[int, int]]) -> dict:
     from pipeline.models.factory import build_gpt_model
-    from pipeline.models.sharding import shard_full_state_dict
     from pipeline.parallel.context import ParallelContext
+    from tests.oracles.sharding import shard_full_state_dict
 
     spec = _spec(tie_embeddings=tie_embeddings)
     ctx = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=SEED)

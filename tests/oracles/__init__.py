@@ -1,0 +1,1 @@
+"""Test-only reference implementations, written independently of the code they check."""
