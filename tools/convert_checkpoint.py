@@ -9,7 +9,7 @@ docs/conversion.md. Exit status 0 on success, 2 on a user error (bad input, fail
 
 import sys
 
-from pipeline.checkpoint.tool import main
+from pipeline.cli.convert import main
 
 # The guard matters: the layout check spawns processes that re-import this file.
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def main() -> int:
     from pipeline.rollout.types import GenerationRequest, SamplingParams
     from pipeline.stages.bootstrap import encode_example, make_batch
     from pipeline.trainer.actor import Actor
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
 
     results = []

@@ -12,8 +12,9 @@ Writing (``write_hf_checkpoint``) streams ``(name, tensor)`` pairs into shards o
 most ``max_shard_bytes`` (a larger single tensor gets a shard of its own, as
 ``transformers`` does), then writes the index, ``config.json``,
 ``generation_config.json`` and the tokenizer files. Everything goes into a temporary
-sibling directory renamed into place at the end, after the tensor set was checked
-against the config: on any failure nothing exists under the final name. The result
+sibling directory published at the end (``pipeline.io.publish_directory``: every file
+synced, then one rename), after the tensor set was checked against the config: on any
+failure nothing exists under the final name. The result
 loads with ``transformers`` ``from_pretrained(path, local_files_only=True)`` without
 ``trust_remote_code``.
 
@@ -35,8 +36,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from pipeline.checkpoint.artifact import TOKENIZER_FILES, tokenizer_files
 from pipeline.checkpoint.hf_map import expected_hf_shapes
 from pipeline.errors import CheckpointError
+from pipeline.io import publish_directory, rename_in_staging
 from pipeline.models.spec import ModelSpec
 
 __all__ = [
@@ -60,19 +63,6 @@ SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' save_pretrained default ("5GB")
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-# Everything a transformers fast or slow tokenizer of these families may need.
-TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 _GENERATION_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -318,10 +308,10 @@ def write_hf_checkpoint(
     if final.exists() and not overwrite:
         raise CheckpointError(f"cannot write {final}: it already exists (pass overwrite=True to replace it)")
     source = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    tokenizer_files: list[Path] = []
+    files: list[Path] = []
     if source is not None:
-        tokenizer_files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
-        if not tokenizer_files:
+        files = tokenizer_files(source)
+        if not files:
             raise CheckpointError(f"tokenizer folder {source} holds none of {list(TOKENIZER_FILES)}")
     generation_values = _generation_values(source, generation_config)
 
@@ -329,9 +319,12 @@ def write_hf_checkpoint(
     try:
         embedding_dtype = _write_shards(staging, tensors, spec=spec, max_shard_bytes=max_shard_bytes)
         _write_configs(staging, spec=spec, generation_values=generation_values, dtype=embedding_dtype)
-        for file in tokenizer_files:
+        for file in files:
             shutil.copyfile(file, staging / file.name)
-        move_into_place(staging, final, overwrite=overwrite)
+        try:
+            publish_directory(staging, final, overwrite=overwrite)
+        except FileExistsError:
+            raise CheckpointError(f"cannot write {final}: it appeared while writing") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -388,11 +381,11 @@ def _write_shards(
     assert embedding_dtype is not None  # expected always contains the embedding
 
     if len(shard_files) == 1:
-        shard_files[0].rename(staging / SINGLE_FILE)
+        rename_in_staging(shard_files[0], staging / SINGLE_FILE)
         return embedding_dtype
     final_names = [_shard_name(i + 1, len(shard_files)) for i in range(len(shard_files))]
     for file, final_name in zip(shard_files, final_names):
-        file.rename(staging / final_name)
+        rename_in_staging(file, staging / final_name)
     index = {
         "metadata": {"total_size": total_bytes},
         "weight_map": {name: final_names[shard_of[name]] for name in sorted(shard_of)},
@@ -419,20 +412,3 @@ def _write_configs(staging: Path, *, spec: ModelSpec, generation_values: dict[st
         raise CheckpointError(f"invalid generation config {generation_values}: {error}") from error
     generation.to_json_file(str(staging / GENERATION_CONFIG_FILE), use_diff=True)
 
-
-def move_into_place(staging: Path, final: Path, *, overwrite: bool) -> None:
-    if not final.exists():
-        os.rename(staging, final)
-        return
-    if not overwrite:
-        raise CheckpointError(f"cannot write {final}: it appeared while writing")
-    # Two renames: the old folder stays complete until the new one is in place.
-    retired = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-    os.rename(final, retired / final.name)
-    try:
-        os.rename(staging, final)
-    except BaseException:
-        os.rename(retired / final.name, final)
-        shutil.rmtree(retired, ignore_errors=True)
-        raise
-    shutil.rmtree(retired, ignore_errors=True)

@@ -19,27 +19,32 @@
 The tokenizer of a winnow checkpoint is, in order: the ``tokenizer`` argument; the
 ``tokenizer`` path recorded in the manifest (relative to the step directory, as
 bootstrap writes it); ``tokenizer/`` in the step directory, in the run directory, or
-next to the run directory (a bootstrap cache entry). Without one, ``PolicyError``
+next to the run directory (a bootstrap cache entry): ``pipeline.checkpoint.artifact``'s
+lookup, shared with ``winnow convert`` and the RL stage. Without one, ``PolicyError``
 says where it looked.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from pipeline.checkpoint.artifact import (
+    checkpoint_spec,
+    find_tokenizer_dir,
+    is_hf_folder,
+    load_weights,
+    resolve_checkpoint,
+    tokenizer_candidates,
+)
 from pipeline.errors import UserError
 
-__all__ = ["DTYPES", "LoadedPolicy", "PolicyError", "find_tokenizer_dir", "is_hf_folder", "load_policy"]
+__all__ = ["DTYPES", "LoadedPolicy", "PolicyError", "load_policy"]
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_HF_WEIGHT_FILES = (
-    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
-)
 
 
 class PolicyError(UserError):
@@ -71,34 +76,22 @@ class LoadedPolicy:
         return int(value) if value is not None else None
 
 
-def is_hf_folder(path: Path) -> bool:
-    return (path / "config.json").is_file() and any((path / name).is_file() for name in _HF_WEIGHT_FILES)
-
-
-def _has_tokenizer_files(folder: Path) -> bool:
-    from pipeline.checkpoint.hf_io import TOKENIZER_FILES
-
-    return folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
-
-
 def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 
 
-def find_tokenizer_dir(explicit: str | Path | None, *, candidates: list[Path]) -> Path:
-    """``explicit`` if given (it must hold tokenizer files), else the first candidate that does."""
-    if explicit is not None:
-        folder = Path(explicit)
-        if not _has_tokenizer_files(folder):
-            raise PolicyError(f"tokenizer {folder}: not a folder holding tokenizer files (tokenizer.json, ...)")
-        return folder
-    for folder in candidates:
-        if _has_tokenizer_files(folder):
-            return folder
-    looked = ", ".join(str(c) for c in candidates) or "nowhere"
-    raise PolicyError(f"no tokenizer found (looked in {looked}); pass one with --tokenizer DIR (policy.tokenizer)")
+def _tokenizer_dir(explicit: str | Path | None, *, candidates: list[Path]) -> Path:
+    """``artifact.find_tokenizer_dir``, with a ``PolicyError`` saying where it looked when none is found."""
+    try:
+        folder = find_tokenizer_dir(explicit, candidates=candidates)
+    except UserError as error:
+        raise PolicyError(str(error)) from error
+    if folder is None:
+        looked = ", ".join(str(c) for c in candidates) or "nowhere"
+        raise PolicyError(f"no tokenizer found (looked in {looked}); pass one with --tokenizer DIR (policy.tokenizer)")
+    return folder
 
 
 def load_policy(
@@ -132,7 +125,7 @@ def load_policy(
 def _load_hf_folder(folder: Path, *, tokenizer: str | Path | None, dtype: torch.dtype) -> LoadedPolicy:
     from transformers import AutoModelForCausalLM
 
-    tokenizer_dir = find_tokenizer_dir(tokenizer, candidates=[folder])
+    tokenizer_dir = _tokenizer_dir(tokenizer, candidates=[folder])
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), local_files_only=True, trust_remote_code=False, dtype=dtype
     ).eval()
@@ -150,9 +143,6 @@ def _checkpoint_run_dir(directory: Path) -> Path:
 def _load_winnow_checkpoint(
     directory: Path, *, tokenizer: str | Path | None, dtype: torch.dtype, context
 ) -> LoadedPolicy:
-    from pipeline.checkpoint.tool import resolve_checkpoint
-    from pipeline.models.spec import ModelSpec
-
     try:
         step_dir = resolve_checkpoint(_checkpoint_run_dir(directory))
     except UserError as error:
@@ -160,16 +150,11 @@ def _load_winnow_checkpoint(
             f"policy {directory}: not a Hugging Face folder (no config.json with weights) and not a usable "
             f"winnow checkpoint: {error}"
         ) from error
-    manifest = json.loads((step_dir / "manifest.json").read_text())
-    if not isinstance(manifest.get("model_spec"), dict):
-        raise PolicyError(f"{step_dir / 'manifest.json'} records no model_spec; the checkpoint cannot be rebuilt")
     try:
-        spec = ModelSpec(**manifest["model_spec"])
-    except (TypeError, ValueError) as error:
-        raise PolicyError(f"{step_dir / 'manifest.json'}: invalid model_spec: {error}") from error
-    from pipeline.checkpoint.tool import tokenizer_candidates
-
-    tokenizer_dir = find_tokenizer_dir(tokenizer, candidates=tokenizer_candidates(step_dir))
+        spec = checkpoint_spec(step_dir)
+    except UserError as error:
+        raise PolicyError(str(error)) from error
+    tokenizer_dir = _tokenizer_dir(tokenizer, candidates=tokenizer_candidates(step_dir))
     model = _megatron_weights_as_hf(step_dir, spec=spec, context=context).to(dtype)
     return LoadedPolicy(model, _load_tokenizer(tokenizer_dir), spec, f"megatron:{step_dir.resolve()}")
 
@@ -177,7 +162,6 @@ def _load_winnow_checkpoint(
 def _megatron_weights_as_hf(step_dir: Path, *, spec, context) -> torch.nn.Module:
     from pipeline.checkpoint.convert import copy_into_model, megatron_to_hf_state
     from pipeline.checkpoint.hf_map import MegatronLayout
-    from pipeline.checkpoint.tool import load_model_weights
     from pipeline.models.factory import build_gpt_model
     from pipeline.models.layer_spec import select_layer_spec
     from pipeline.parallel.rendezvous import initialize_process_context, process_group_initialized
@@ -199,7 +183,7 @@ def _megatron_weights_as_hf(step_dir: Path, *, spec, context) -> torch.nn.Module
         # The local spec everywhere: its checkpoint keys equal Transformer Engine's, and
         # the converted HF model runs on any machine.
         module = build_gpt_model(spec, parallel_context=context, layer_spec=select_layer_spec(spec, prefer_te=False))
-        load_model_weights(step_dir, module)
+        load_weights(step_dir, module)
         state = {
             name: tensor.detach() for name, tensor in module.state_dict().items() if not name.endswith("_extra_state")
         }

@@ -316,7 +316,7 @@ def _run_train_estimator(cfg: TrainEstimatorConfig, *, context, out) -> StageOut
 
 def rl_finished(cfg: RLConfig) -> bool:
     """The run checkpointed its last step (the loop always saves the final one)."""
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
 
     steps = CheckpointManager(cfg.checkpoint.directory, keep_last=1).list_steps()
     return bool(steps) and steps[-1] >= cfg.steps
@@ -339,7 +339,7 @@ def _run_evaluate(cfg: EvaluateConfig, *, context, out) -> StageOutcome:
 
 
 def _run_export(cfg: ExportConfig, *, context, out) -> StageOutcome:  # noqa: ARG001 - reuses the process's megatron
-    from pipeline.checkpoint.tool import megatron_to_hf
+    from pipeline.checkpoint.convert import megatron_to_hf
 
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     # overwrite: a rerun after a crash between publishing and recording `done` replaces the folder atomically.

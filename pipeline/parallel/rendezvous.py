@@ -8,23 +8,31 @@
   rank 0 (which drives the rollout engine) and the others. Both are no-ops at world size 1.
   They carry control data and graded rollouts (kilobytes to a few MB per step); weights
   never travel through them at scale.
+* ``all_gather_objects``: every rank's small object on every rank (the checkpoint manager's
+  agreement on whether a save failed: one short string or ``None`` per rank).
+* ``single_rank_megatron``: megatron on a one-rank group for a tool that runs in one process
+  (checkpoint conversion), reusing the process's own when it already has one.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
 
 __all__ = [
+    "all_gather_objects",
     "broadcast_from_rank0",
     "free_port",
     "gather_to_rank0",
     "initialize_process_context",
     "process_group_initialized",
     "single_process_rendezvous",
+    "single_rank_megatron",
 ]
 
 
@@ -74,3 +82,60 @@ def gather_to_rank0(payload: Any, *, rank: int, world_size: int) -> list[Any] | 
     gathered: list | None = [None] * world_size if rank == 0 else None
     dist.gather_object(payload, gathered, dst=0)
     return gathered
+
+
+def all_gather_objects(payload: Any, *, world_size: int) -> list[Any]:
+    """Every rank's ``payload`` in rank order, on every rank (no communication at world size 1)."""
+    if world_size == 1:
+        return [payload]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, payload)
+    return gathered
+
+
+@contextmanager
+def single_rank_megatron(seed: int, *, purpose: str = "this") -> Iterator[None]:
+    """A one-rank megatron layout (TP = PP = 1) for this process: reused if the process already has one.
+
+    Without one, a one-rank group on 127.0.0.1 is brought up (nccl with CUDA, else gloo;
+    torchrun's environment is ignored: the work is this process's alone) and torn down on
+    exit. A process that already runs megatron or torch.distributed on more than one rank
+    is refused with a ``UserError`` naming ``purpose``: megatron cannot be initialized twice.
+    """
+    from megatron.core import parallel_state
+
+    from pipeline.errors import UserError
+    from pipeline.parallel.context import ParallelContext
+
+    # A host process (a test session, a driver that already trains) may own the process group.
+    if parallel_state.model_parallel_is_initialized():
+        sizes = (
+            dist.get_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        if sizes != (1, 1, 1):
+            raise UserError(
+                f"{purpose} needs a one-rank process; this one already runs megatron on {sizes[0]} ranks "
+                f"(TP={sizes[1]}, PP={sizes[2]})"
+            )
+        yield
+        return
+    if dist.is_initialized() and dist.get_world_size() != 1:
+        raise UserError(
+            f"{purpose} needs a one-rank process; this one is part of a {dist.get_world_size()}-rank group"
+        )
+    context = ParallelContext.initialize(
+        tensor_parallel=1,
+        pipeline_parallel=1,
+        seed=seed,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+    )
+    try:
+        yield
+    finally:
+        context.destroy()

@@ -105,7 +105,7 @@ def run_bootstrap(cfg: BootstrapConfig, *, context=None) -> BootstrapResult:
     from pipeline.models.tokenizer import save_tokenizer, train_tokenizer
     from pipeline.parallel.rendezvous import initialize_process_context
     from pipeline.trainer.actor import Actor
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
 
     directory = Path(cfg.cache_dir) / config_hash(cfg)

@@ -72,7 +72,8 @@ def _weights(module) -> dict[str, torch.Tensor]:
 
 def _failing_writes_worker(rank, world_size, directory):
     from pipeline.errors import CheckpointError
-    from pipeline.trainer.checkpoint import CheckpointManager, load_model_weights
+    from pipeline.checkpoint.artifact import load_weights
+    from pipeline.checkpoint.manager import CheckpointManager
 
     actor = _actor(1, 1, micro_batch_tokens=10_000)
     fresh = _actor(1, 1, micro_batch_tokens=10_000, context=actor.context)
@@ -93,7 +94,7 @@ def _failing_writes_worker(rank, world_size, directory):
         with torch.no_grad():  # the weights must come from the checkpoint
             for parameter in fresh.module.parameters():
                 parameter.add_(1.0)
-        load_model_weights(newest, fresh.module)
+        load_weights(newest, fresh.module)
         restored = all(torch.equal(saved[k], v) for k, v in _weights(fresh.module).items())
         outcomes[name] = {
             "message": message, "newest": newest.name, "restored": restored,
@@ -136,7 +137,7 @@ def _disk_full_mid_run_worker(rank, world_size, tmp, cache_dir):
     from pipeline.metrics import read_metrics
     from pipeline.parallel.context import ParallelContext
     from pipeline.stages import rl as rl_stage
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
 
     cfg = tiny_rl_config(tmp, cache_dir, ["checkpoint.every_steps=2", "eval_set=arith?difficulty=3&size=8"])
     context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed)
@@ -181,9 +182,9 @@ def test_disk_full_mid_run_stops_the_stage_with_the_cause_and_the_relaunch_resum
 def failing_rank_file(*, rank: int):
     """The kernel refuses (EFBIG) the write of this rank's own ``ranks/rank_N.json`` and nothing else:
     every other rank and every other file of this rank, megatron's and DCP's included, is written."""
-    import pipeline.trainer.checkpoint as checkpoint
+    import pipeline.checkpoint.manager as checkpoint
 
-    original = checkpoint._write_json_atomic
+    original = checkpoint._write_json
 
     def write(path, payload):
         if path.name == f"rank_{rank:05d}.json":
@@ -191,11 +192,11 @@ def failing_rank_file(*, rank: int):
                 return original(path, payload)
         return original(path, payload)
 
-    checkpoint._write_json_atomic = write
+    checkpoint._write_json = write
     try:
         yield
     finally:
-        checkpoint._write_json_atomic = original
+        checkpoint._write_json = original
 
 
 # Each fault hits one rank of two: the other rank's writes succeed, and it must still learn of the failure.
@@ -205,7 +206,8 @@ ONE_RANK_FAULTS = {"rank 1's own JSON file": (1, lambda: failing_rank_file(rank=
 
 def _one_rank_fails_worker(rank, world_size, directory):
     from pipeline.errors import CheckpointError
-    from pipeline.trainer.checkpoint import CheckpointManager, load_model_weights
+    from pipeline.checkpoint.artifact import load_weights
+    from pipeline.checkpoint.manager import CheckpointManager
 
     actor = _actor(1, 1, micro_batch_tokens=10_000)
     fresh = _actor(1, 1, micro_batch_tokens=10_000, context=actor.context)
@@ -228,7 +230,7 @@ def _one_rank_fails_worker(rank, world_size, directory):
         with torch.no_grad():  # the weights must come from the checkpoint
             for parameter in fresh.module.parameters():
                 parameter.add_(1.0)
-        load_model_weights(newest, fresh.module)
+        load_weights(newest, fresh.module)
         outcomes[name] = {
             "message": message, "newest": newest.name,
             "restored": all(torch.equal(saved[k], v) for k, v in _weights(fresh.module).items()),

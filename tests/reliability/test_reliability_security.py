@@ -186,7 +186,8 @@ def _tampered_checkpoint_worker(rank, world_size, directory):
     import torch
 
     from pipeline.errors import CheckpointError
-    from pipeline.trainer.checkpoint import CheckpointManager, load_model_weights
+    from pipeline.checkpoint.artifact import load_weights
+    from pipeline.checkpoint.manager import CheckpointManager
     from tests.trainer.test_actor import _actor
 
     actor = _actor(1, 1, micro_batch_tokens=10_000)
@@ -201,7 +202,7 @@ def _tampered_checkpoint_worker(rank, world_size, directory):
                                               "sha256": hashlib.sha256(common.read_bytes()).hexdigest()}
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
     outcomes = {}
-    for name, load in (("load_model_weights", lambda: load_model_weights(step_dir, actor.module)),
+    for name, load in (("load_model_weights", lambda: load_weights(step_dir, actor.module)),
                        ("resume", lambda: manager.load(manager.newest_valid(), actor=actor))):
         try:
             load()

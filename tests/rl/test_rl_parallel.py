@@ -47,7 +47,7 @@ def test_tensor_and_pipeline_parallel_rl_matches_one_rank(tmp_path, bootstrap_ca
     rows_single = single["rows"]
     # The TP=2 run starts from the bootstrap policy exported to Hugging Face and converted back
     # (`policy=DIR`, the path users with a GPU checkpoint take); both conversions are exact.
-    from pipeline.checkpoint.tool import hf_to_megatron, megatron_to_hf
+    from pipeline.checkpoint.convert import hf_to_megatron, megatron_to_hf
 
     megatron_to_hf(checkpoint=single["policy"], out=tmp_path / "hf", verify=False)
     hf_to_megatron(hf=tmp_path / "hf", out=tmp_path / "converted", tensor_parallel=2, verify=False)

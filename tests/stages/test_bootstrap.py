@@ -33,7 +33,7 @@ def _bootstrap_worker(rank, world_size, cache_dir):
 def test_bootstrap_trains_and_caches(tmp_path):
     from pipeline.metrics import read_metrics
     from pipeline.models.tokenizer import load_tokenizer
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
 
     (outcome,) = run_distributed(_bootstrap_worker, world_size=1, args=(str(tmp_path),))
     first_cached, second_cached, directory, summary = outcome

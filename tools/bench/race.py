@@ -189,7 +189,7 @@ def run_rl_method(method: str, seed: int, *, settings: RaceSettings, context, he
     from pipeline.metrics import read_metrics
     from pipeline.stages.bootstrap import run_bootstrap
     from pipeline.stages.rl import run_rl
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
 
     cfg = method_config(method, seed, settings)
     run_dir = settings.run_dir(method, seed)
@@ -247,7 +247,8 @@ def run_more_sft(seed: int, *, settings: RaceSettings, context, heldout, pool,
     from pipeline.stages.bootstrap import (TEMPLATE, encode_example, load_training_prompts, make_batch,
                                            run_bootstrap)
     from pipeline.trainer.actor import Actor
-    from pipeline.trainer.checkpoint import CheckpointManager, load_model_weights
+    from pipeline.checkpoint.artifact import load_weights
+    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
 
     assert eval_wall_s and all(b > a for a, b in zip(eval_wall_s, eval_wall_s[1:])), eval_wall_s
@@ -260,7 +261,7 @@ def run_more_sft(seed: int, *, settings: RaceSettings, context, heldout, pool,
     optim = dataclasses.replace(bootstrap.optim, lr=bootstrap.optim.lr * bootstrap.optim.min_lr_ratio,
                                 warmup_steps=0, decay="constant")
     actor = Actor(spec=spec, context=context, trainer=bootstrap.trainer, optim=optim, seed=seed)
-    load_model_weights(CheckpointManager(base.checkpoint_dir, keep_last=1).newest_valid(), actor.module)
+    load_weights(CheckpointManager(base.checkpoint_dir, keep_last=1).newest_valid(), actor.module)
     policy = build_hf_model(spec)
     examples = [encode_example(tokenizer, render_prompt(p, template=TEMPLATE), p.metadata["solution"])
                 for p in load_training_prompts(bootstrap)]

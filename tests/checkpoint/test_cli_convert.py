@@ -2,8 +2,8 @@
 atomically, training checkpoints (TP=1, TP=2) export to HF models with the actor's log-probs,
 bad input fails with exit code 2 naming the file/tensor and leaves nothing behind.
 
-Conversions run in this process through ``tool.main`` (the CLI entry point without the
-``winnow`` wrapper); the layout check and the TP=2 training run spawn gloo ranks.
+Conversions run in this process through ``pipeline.cli.convert.main`` (the CLI entry point
+without the ``winnow`` wrapper); the layout check and the TP=2 training run spawn gloo ranks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from pipeline.checkpoint.hf_io import GENERATION_CONFIG_FILE, HFCheckpointReader
-from pipeline.checkpoint.tool import GATE_ATOL, build_parser, main, parse_size
+from pipeline.checkpoint.gate import GATE_ATOL
+from pipeline.cli.convert import build_parser, main, parse_size
 from pipeline.models.spec import ModelSpec
 from tests.checkpoint.tiny_models import build_hf_model, tiny_spec
 from tests.distributed_utils import find_free_port, run_distributed
@@ -118,7 +119,7 @@ def single_rank():
     ids=["llama-untied-fp32", "qwen2-tied-bf16"],
 )
 def test_hf_to_megatron_to_hf_is_bit_exact(tmp_path, tokenizer_dir, capsys, spec, dtype):
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
 
     hf = _save_hf(spec, tmp_path / "hf", tokenizer_dir=tokenizer_dir, dtype=dtype)
     code, out, err = _run(["hf-to-megatron", "--hf", hf, "--out", tmp_path / "run"], capsys)
@@ -149,21 +150,6 @@ def test_hf_to_megatron_to_hf_is_bit_exact(tmp_path, tokenizer_dir, capsys, spec
     generation = json.loads((tmp_path / "export" / GENERATION_CONFIG_FILE).read_text())
     assert generation["eos_token_id"] == 1 and generation["temperature"] == 0.6
     assert _leftovers(tmp_path, "run") == [] and _leftovers(tmp_path, "export") == []
-
-
-def test_converted_weights_load_into_a_megatron_model(converted, single_rank):
-    from pipeline.checkpoint.convert import hf_to_megatron_state
-    from pipeline.checkpoint.hf_map import MegatronLayout
-    from pipeline.checkpoint.tool import load_model_weights
-    from pipeline.models.factory import build_gpt_model
-
-    model = build_gpt_model(LLAMA)
-    assert load_model_weights(converted["run"], model) == converted["run"] / "step_00000000"
-    expected = dict(hf_to_megatron_state(_hf_tensors(converted["hf"]), spec=LLAMA, layout=MegatronLayout.build(LLAMA)))
-    parameters = dict(model.named_parameters())
-    assert sorted(parameters) == sorted(expected)
-    for name, tensor in expected.items():
-        assert torch.equal(parameters[name], tensor), name
 
 
 def test_bf16_export_is_gated_on_the_rounded_weights(converted, tmp_path, capsys):
@@ -270,7 +256,7 @@ def _hf_response_logprobs(folder: Path, batch) -> torch.Tensor:
 
 
 def test_training_checkpoint_exports_with_the_actors_logprobs(tmp_path, capsys, single_rank, tokenizer_dir):
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
     from tests.trainer.test_actor import _actor, _batch
 
@@ -289,7 +275,7 @@ def test_training_checkpoint_exports_with_the_actors_logprobs(tmp_path, capsys, 
 
 
 def _train_and_save_worker(rank, world_size, directory):
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
     from tests.trainer.test_actor import _actor, _batch
 

@@ -19,7 +19,7 @@ def _weights(actor) -> dict[str, torch.Tensor]:
 
 
 def _resume_worker(rank, world_size, directory):
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
 
     batch, loss = _batch(), CrossEntropyLoss()
@@ -59,7 +59,7 @@ def test_resume_is_bit_identical(tmp_path):
 
 
 def _save_worker(rank, world_size, tp, pp, directory):
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
 
     actor = _actor(tp, pp, micro_batch_tokens=36)
@@ -69,7 +69,7 @@ def _save_worker(rank, world_size, tp, pp, directory):
 
 
 def _load_worker(rank, world_size, tp, pp, directory):
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
 
     actor = _actor(tp, pp, micro_batch_tokens=36)
     manager = CheckpointManager(directory, keep_last=3, rank=rank, world_size=world_size)
@@ -86,7 +86,7 @@ def test_checkpoint_loads_under_another_layout(tmp_path, saved, loaded):
 
 
 def _two_checkpoints_worker(rank, world_size, directory):
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
 
     actor = _actor(1, 1, micro_batch_tokens=10_000)
     manager = CheckpointManager(directory, keep_last=2)
@@ -116,7 +116,7 @@ def _largest_file(path: Path) -> Path:
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "flip_byte", "no_manifest"])
 def test_corrupted_newest_checkpoint_falls_back(two_checkpoints, damage, caplog):
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
 
     newest = two_checkpoints / "step_00000003"
     victim = _largest_file(newest) if damage != "flip_byte" else newest / "state.json"
@@ -136,7 +136,7 @@ def test_corrupted_newest_checkpoint_falls_back(two_checkpoints, damage, caplog)
 
 
 def _failing_save_worker(rank, world_size, directory):
-    import pipeline.trainer.checkpoint as checkpoint
+    import pipeline.checkpoint.manager as checkpoint
 
     actor = _actor(1, 1, micro_batch_tokens=10_000)
     manager = checkpoint.CheckpointManager(directory, keep_last=3)

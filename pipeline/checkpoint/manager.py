@@ -1,5 +1,8 @@
 """Atomic, verified, resharding checkpoints of the actor and of everything else a run changes.
 
+``CheckpointManager`` writes and restores them; what a checkpoint on disk is (and how
+readers resolve, verify and load one) is ``pipeline.checkpoint.artifact``.
+
 Layout of one checkpoint (``<directory>/step_00000120/``)::
 
     weights/               megatron dist_checkpointing: model + optimizer, any TP/PP layout
@@ -21,37 +24,47 @@ no pickle of untrusted files.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import logging
-import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from pickle import UnpicklingError
 from typing import Any, NoReturn
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import CheckpointException
 
+from pipeline.checkpoint.artifact import (
+    HASHED_FILE_LIMIT,
+    LATEST_FILE,
+    MANIFEST_FILE,
+    WEIGHTS_DIR,
+    describe_failure,
+    file_sha256,
+    list_steps,
+    load_sharded_weights,
+    newest_valid,
+    step_dir_name,
+    verify_checkpoint,
+)
 from pipeline.errors import CheckpointError
+from pipeline.io import atomic_write_text
+from pipeline.parallel.rendezvous import all_gather_objects
+
+__all__ = ["CheckpointManager", "LoadedCheckpoint", "capture_rng_state", "restore_rng_state"]
 
 logger = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 # How a failed write (ENOSPC, EFBIG, EROFS, EIO) reaches us from each writer: OSError from our
 # JSON files; SafetensorError from safetensors' Rust writer; RuntimeError from torch.save's C++
 # stream, which drops the errno ("basic_ios::clear: iostream error", megatron's common.pt); torch
 # DCP's CheckpointException (a BaseException) gathering every rank's writer failure (.distcp).
 _WRITE_FAILURES = (OSError, SafetensorError, RuntimeError, CheckpointException)
-HASHED_FILE_LIMIT = 64 * 2**20  # files above this are checked by size only (hashing TBs costs minutes)
 
 
 @dataclass(slots=True)
@@ -62,21 +75,9 @@ class LoadedCheckpoint:
     tensors: dict[str, torch.Tensor]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _write_json_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as handle:
-        json.dump(payload, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
+def _write_json(path: Path, payload: Any) -> None:
+    # json.dump's bytes exactly (indent 1, sorted keys, no trailing newline), written atomically.
+    atomic_write_text(path, json.dumps(payload, indent=1, sort_keys=True))
 
 
 def _encode_bytes(tensor: torch.Tensor) -> str:
@@ -133,13 +134,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ paths
     def step_path(self, step: int) -> Path:
-        return self.directory / f"step_{step:08d}"
+        return self.directory / step_dir_name(step)
 
     def list_steps(self) -> list[int]:
-        if not self.directory.is_dir():
-            return []
-        steps = [int(m.group(1)) for p in self.directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-        return sorted(steps)
+        return list_steps(self.directory)
 
     def _failed_ranks(self, failure: BaseException | None) -> dict[str, list[int]]:
         """Every rank's failure, as ``{cause: ranks}``, the same on every rank; empty when none failed.
@@ -147,11 +145,8 @@ class CheckpointManager:
         A collective that takes the place of a barrier, so every rank calls it at the same point:
         a rank whose write failed used to raise alone while the others waited at the next barrier.
         """
-        cause = None if failure is None else _describe_failure(failure)
-        causes = [cause]
-        if self.world_size > 1:
-            causes = [None] * self.world_size
-            dist.all_gather_object(causes, cause)  # short strings from our own ranks
+        cause = None if failure is None else describe_failure(failure)
+        causes = all_gather_objects(cause, world_size=self.world_size)  # short strings from our own ranks
         ranks_by_cause: dict[str, list[int]] = {}
         for rank, text in enumerate(causes):
             if text is not None:
@@ -191,7 +186,7 @@ class CheckpointManager:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 if tmp.exists():
                     shutil.rmtree(tmp)  # a previous crash mid-save
-                (tmp / "weights").mkdir(parents=True)
+                (tmp / WEIGHTS_DIR).mkdir(parents=True)
                 (tmp / "ranks").mkdir()
             except OSError as error:
                 failure = error
@@ -199,24 +194,24 @@ class CheckpointManager:
         model_state = actor.module.sharded_state_dict()
         sharded_state = {"model": model_state, "optimizer": actor.optimizer.sharded_state_dict(model_state)}
         try:
-            dist_checkpointing.save(sharded_state, str(tmp / "weights"))
+            dist_checkpointing.save(sharded_state, str(tmp / WEIGHTS_DIR))
         except CheckpointException as error:
             failure = error  # DCP gathered its writers' failures and raised on every rank
         except _WRITE_FAILURES as error:
             # megatron writes common.pt and metadata.json on rank 0 alone, between DCP's collectives:
             # the other ranks wait for it inside megatron, where no agreement reaches them. They stop
             # when this process exits (torchrun then ends the job).
-            self._raise_failure({_describe_failure(error): [self.rank]}, action="writing", final=final,
+            self._raise_failure({describe_failure(error): [self.rank]}, action="writing", final=final,
                                 tmp=tmp, failure=error)
         if failure is None:
             try:
-                _write_json_atomic(
+                _write_json(
                     tmp / "ranks" / f"rank_{self.rank:05d}.json",
                     {"rng": capture_rng_state(), "schedule": actor.schedule.state_dict(),
                      "num_skipped_steps": actor.num_skipped_steps},
                 )
                 if self.rank == 0:
-                    _write_json_atomic(tmp / "state.json", {"step": step, **(state or {})})
+                    _write_json(tmp / "state.json", {"step": step, **(state or {})})
                     save_file({k: v.contiguous() for k, v in (tensors or {}).items()}, str(tmp / "tensors.safetensors"))
             except _WRITE_FAILURES as error:
                 failure = error
@@ -243,61 +238,37 @@ class CheckpointManager:
             size = path.stat().st_size
             entry: dict[str, Any] = {"size": size}
             if size <= HASHED_FILE_LIMIT:
-                entry["sha256"] = _sha256(path)
+                entry["sha256"] = file_sha256(path)
             files[str(path.relative_to(tmp))] = entry
-        _write_json_atomic(tmp / "manifest.json", {"step": step, "world_size": self.world_size,
+        _write_json(tmp / MANIFEST_FILE, {"step": step, "world_size": self.world_size,
                                                    "files": files, **metadata})
         if final.exists():
             shutil.rmtree(final)  # re-saving the same step (e.g. after a resume)
         tmp.rename(final)
-        pointer = self.directory / "latest"
-        pointer_tmp = self.directory / "latest.tmp"
-        pointer_tmp.write_text(final.name + "\n")
-        pointer_tmp.replace(pointer)
+        atomic_write_text(self.directory / LATEST_FILE, final.name + "\n")
         for old in self.list_steps()[: -self.keep_last]:
             shutil.rmtree(self.step_path(old), ignore_errors=True)
 
     # ------------------------------------------------------------------ load
     def verify(self, path: Path) -> None:
         """Raise CheckpointError unless every file of the manifest is present and intact."""
-        manifest_path = path / "manifest.json"
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{manifest_path} is missing: the checkpoint was never completed") from None
-        except json.JSONDecodeError as error:
-            raise CheckpointError(f"{manifest_path} is corrupt: {error}") from None
-        for name, entry in manifest["files"].items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{file} is missing")
-            if file.stat().st_size != entry["size"]:
-                raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest says {entry['size']}")
-            if "sha256" in entry and _sha256(file) != entry["sha256"]:
-                raise CheckpointError(f"{file} does not match its sha256 in the manifest")
+        verify_checkpoint(path)
 
     def newest_valid(self) -> Path | None:
         """The newest checkpoint that verifies; invalid newer ones are reported and skipped."""
-        for step in reversed(self.list_steps()):
-            path = self.step_path(step)
-            try:
-                self.verify(path)
-                return path
-            except CheckpointError as error:
-                logger.error("checkpoint %s is unusable (%s); falling back to an older one", path, error)
-        return None
+        return newest_valid(self.directory)
 
     def load(self, path: Path, *, actor) -> LoadedCheckpoint:
         """Restore weights, optimizer, schedule and RNG into ``actor``; return the run state."""
         self.verify(path)
         model_state = actor.module.sharded_state_dict()
-        loaded = _load_weights_only(
+        loaded = load_sharded_weights(
             {"model": model_state, "optimizer": actor.optimizer.sharded_state_dict(model_state, is_loading=True)},
-            path / "weights",
+            path / WEIGHTS_DIR,
         )
         actor.module.load_state_dict(loaded["model"])
         actor.optimizer.load_state_dict(loaded["optimizer"])
-        manifest = json.loads((path / "manifest.json").read_text())
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
         rank_file = path / "ranks" / f"rank_{self.rank:05d}.json"
         if manifest["world_size"] == self.world_size and rank_file.is_file():
             rank_state = json.loads(rank_file.read_text())
@@ -313,57 +284,3 @@ class CheckpointManager:
         tensors = load_file(str(path / "tensors.safetensors"))
         return LoadedCheckpoint(path=path, step=int(state.pop("step")), state=state, tensors=tensors)
 
-
-def load_model_weights(step_dir: str | os.PathLike[str], module) -> None:
-    """Load only the model weights of checkpoint ``step_dir`` into ``module`` (any layout).
-
-    Used to start a run from another run's policy (RL from the bootstrap policy, or from
-    a converted Hugging Face model): optimizer, schedules and RNG start fresh. Works on
-    training checkpoints (weights + optimizer) and on ``winnow convert hf-to-megatron``
-    output (weights only); megatron reshards whatever layout was saved.
-    """
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-
-    weights = Path(step_dir) / "weights"
-    if not weights.is_dir():
-        raise CheckpointError(f"{weights} does not exist: not a winnow checkpoint")
-    try:
-        loaded = _load_weights_only({"model": module.sharded_state_dict()}, weights)
-        module.load_state_dict(loaded["model"])
-    except CheckpointError:
-        raise
-    except (CheckpointingException, CheckpointException, RuntimeError, ValueError, KeyError, OSError) as error:
-        raise CheckpointError(
-            f"cannot load the model weights from {weights} into the model its manifest describes: "
-            f"{_describe_failure(error)}"
-        ) from error
-
-
-def _load_weights_only(sharded_state: dict[str, Any], weights: Path) -> dict[str, Any]:
-    """``dist_checkpointing.load``, refusing a checkpoint that pickles more than tensors and plain data.
-
-    megatron reads ``common.pt`` with ``torch.load`` at torch's default, ``weights_only=True``: a file
-    crafted to run code when unpickled fails with an ``UnpicklingError`` whose text suggests
-    retrying with ``weights_only=False`` — the one thing not to do with a checkpoint from elsewhere.
-    """
-    try:
-        return dist_checkpointing.load(sharded_state, str(weights))
-    except UnpicklingError as error:
-        # torch's text goes on to suggest weights_only=False or allow-listing the global: not here.
-        detail = str(error).split("WeightsUnpickler error:", 1)[-1].strip()
-        reason = (detail.splitlines() or ["UnpicklingError"])[0].split(" Please", 1)[0]
-        raise CheckpointError(
-            f"{weights} holds pickled objects that are not tensors or plain data ({reason}); refused: "
-            "unpickling a checkpoint from an untrusted source can run arbitrary code"
-        ) from error
-
-
-def _describe_failure(error: BaseException) -> str:
-    # torch's CheckpointException wraps each rank's error with its traceback
-    # (`failures`: rank -> (exception, stack)); the first one names the tensor.
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        error = first[0] if isinstance(first, tuple) else first
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return " / ".join(lines[:3]) if lines else type(error).__name__
