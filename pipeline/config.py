@@ -2,7 +2,7 @@
 
 Every default lives here, once. Recipes (``recipes/``) are functions that start
 from these dataclasses and change what differs; YAML files and dotted CLI
-overrides (``algorithm.d3s.k_init=0.05``) load into them through
+overrides (``algorithm.d3s.keep_ratio_init=0.05``) load into them through
 :mod:`pipeline.configlib`, which rejects unknown keys, wrong types and values
 out of range with the dotted field path in the message.
 """
@@ -236,7 +236,6 @@ class D3SConfig:
 
 @dataclass(kw_only=True, slots=True)
 class E3TemperatureConfig:
-    initial_temperature: float = option(1.0, gt=0.0, help="τ at the start")
     min_temperature: float = option(0.1, gt=0.0, help="lower clamp of τ")
     max_temperature: float = option(2.0, gt=0.0, help="upper clamp of τ")
     anneal_start_fraction: float | None = option(
@@ -256,8 +255,8 @@ class E3BudgetConfig:
 class AdaEstConfig:
     min_budget: int = option(2, ge=1, help="N_min: fewest samples per prompt (Reinforce-Ada Algorithm 1 line 5)")
     max_budget: int = option(32, ge=1, help="N_max: most samples per prompt")
-    rule: Literal["log", "reinforce_baseline"] = option(
-        "log", help="N ∝ 1/√(p̂+ε) (log objective) or √((1−p̂)/p̂) (App. B.1)"
+    rule: Literal["log", "reinforce_baseline", "implicit"] = option(
+        "log", help="N ∝ 1/√(p̂+ε) (log objective), √((1−p̂)/p̂) (App. B.1) or 1/p̂ (App. C.2's implicit weighting)"
     )
     ema_decay: float = option(0.9, gt=0.0, le=1.0, help="λ of the Ada-EMA counters N ← λN + n")
     prior_alpha: float = option(1.0, gt=0.0, help="α of the Beta prior p̂ = (N_pos+α)/(N+α+β)")
@@ -339,8 +338,9 @@ class AlgorithmConfig:
     loss: Literal["grpo", "gspo"] = option("grpo", help="POLICY_LOSSES entry")
     eps_low: float = option(0.2, gt=0.0, lt=1.0, help="lower clip range of the ratio")
     eps_high: float = option(0.28, gt=0.0, help="upper clip range of the ratio (clip-higher)")
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "d3s"] = option(
-        "token_mean", help="loss aggregation (d3s: 1/|Ŝ|·Σ 1/|𝒯ᵢ|, D³S Eq. 10)"
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "d3s", "dr_grpo"] = option(
+        "token_mean", help="loss aggregation (d3s: 1/|Ŝ|·Σ 1/|𝒯ᵢ|, D³S Eq. 10; dr_grpo: Σ tokens / (G·L_max), "
+        "L_max = max_new_tokens)"
     )
     kl_coef: float = option(0.0, ge=0.0, help="k3 KL penalty to the initial policy (> 0 loads a frozen reference copy)")
     entropy_coef: float = option(0.0, ge=0.0, help="entropy bonus")
@@ -352,7 +352,7 @@ class AlgorithmConfig:
     )
     d3s: D3SConfig = section(D3SConfig, help="D³S sample/token schedule")
     cw_grpo_scope: Literal["group", "batch"] = option("group", help="CW-GRPO covariance statistics scope")
-    temperature: Literal["fixed", "e3"] = option("fixed", help="sampling temperature: fixed or E3's entropy controller")
+    temperature: Literal["fixed", "e3"] = option("fixed", help="TEMPERATURES entry: the run's fixed temperature, or E3's entropy controller starting from it")
     e3: E3TemperatureConfig = section(E3TemperatureConfig, help="E3 temperature scheduler (Eq. 4–5)")
     prompt_filter: Literal["none", "depo"] = option("none", help="PROMPT_FILTERS entry: drop prompts before rollout")
     depo: DepoConfig = section(DepoConfig, help="DEPO estimator, filter and online updates")

@@ -5,6 +5,9 @@ exception keeps its traceback. Each subclass's message names the field, file,
 line or tensor at fault.
 """
 
+# The exit status of a user error, for every command: a job template must not requeue it.
+EXIT_USER_ERROR = 2
+
 
 class UserError(ValueError):
     """Bad config, bad data, a missing or malformed file: the user can fix it."""

@@ -11,12 +11,14 @@ GRPO baseline. Every path between stages comes from ``output_dir``
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from pipeline.config import (
     AlgorithmConfig,
     CheckpointConfig,
     DataConfig,
+    DemoConfig,
     LoggingConfig,
     OptimConfig,
     RewardConfig,
@@ -24,6 +26,7 @@ from pipeline.config import (
     TrainerConfig,
 )
 from pipeline.launch.campaign import CampaignPlan, Resources, RolloutServers, wire_campaign
+from pipeline.launch.demo import VARIANTS as DEMO_VARIANTS
 from recipes.cpu import default_cpu, grpo_cpu
 from recipes.stages import (
     bootstrap_cpu,
@@ -66,6 +69,18 @@ def cpu_campaign(*, output_dir: str | Path = "runs/campaigns/cpu", tiny: bool = 
         curate=curate_cpu(tiny=tiny), estimator=estimator_cpu(tiny=tiny), rl_variants=variants,
         evaluate=evaluate_cpu(tiny=tiny),
     )
+
+
+def demo_campaign(cfg: DemoConfig) -> CampaignPlan:
+    """``winnow demo``'s plan: ``cpu_campaign`` with the demo's evaluation settings on both variants."""
+    plan = cpu_campaign(output_dir=cfg.output_dir, tiny=cfg.tiny, steps=cfg.steps)
+    overrides = []
+    for variant in DEMO_VARIANTS:  # both variants the demo table compares
+        overrides += [f"evaluate-{variant}.eval.benchmarks={json.dumps(cfg.benchmarks)}",
+                      f"evaluate-{variant}.eval.limit={cfg.eval_limit}",
+                      f"evaluate-{variant}.eval.num_samples={cfg.eval_samples}",
+                      f"evaluate-{variant}.eval.ks={json.dumps(cfg.ks)}"]
+    return plan.with_overrides(overrides)
 
 
 # ================================================================ H100

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.config import AlgorithmConfig, D3SConfig, RLConfig
-
+from pipeline.config import D3SConfig, RLConfig
 
 # Adam's first updates are ~lr·sign(g) per weight, so on this 0.8M-parameter policy, with
 # 16 × 8 samples of mostly zero-variance groups per step, the noise in the sign dominates

@@ -6,13 +6,17 @@ paper changes. ``PAPER_PRESETS`` names every row of the papers' result and ablat
 tables that winnow can express; ``docs/reproducing.md`` lists them with the hardware
 and the results to expect.
 
-Papers (plain text in /work/shared/papers/):
+Papers:
 
-* D³S — d3s-dynamic-dual-level-down-sampling.txt (Tables 1–3, 5–7)
-* Reinforce-Ada — reinforce-ada-adaptive-sampling.txt (§4.1, Tables 2–4)
-* E3 — e3-rollout-budget-and-temperature.txt (§5.1–5.4, Tables 1–3)
-* DEPO — depo-difficulty-estimated-policy-optimization.txt (§4.1, Tables 1–2)
-* CW-GRPO — cw-grpo-covariance-gaussian-reweighting.txt (§3.1, App. C Table 5)
+* D³S — "Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient
+  Policy Optimization" (Tables 1–3, 5–7)
+* Reinforce-Ada — "Reinforce-Ada: An Adaptive Sampling Framework under Non-linear RL
+  Objectives" (§4.1, Tables 2–4)
+* E3 — "Enhancing Efficiency and Exploration in Reinforcement Learning for LLMs" (§5.1–5.4,
+  Tables 1–3)
+* DEPO — "Difficulty-Estimated Policy Optimization" (§4.1, Tables 1–2)
+* CW-GRPO — "Taming Extreme Tokens: Covariance-Aware GRPO with Gaussian-Kernel Advantage
+  Reweighting" (§3.1, App. C Table 5)
 
 What every preset leaves to the user:
 
@@ -35,11 +39,10 @@ Write a preset as YAML for ``winnow rl --config``::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -616,29 +619,7 @@ def write_yaml(name: str, path: str | Path, *, policy: str | None = None) -> Pat
     return configlib.save_resolved(build(name, policy=policy), path.parent, path.name)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipes.papers",
-                                     description="write a paper preset as YAML for `winnow rl --config`")
-    parser.add_argument("name", nargs="?", help="preset name (see --list)")
-    parser.add_argument("out", nargs="?", help="YAML file to write")
-    parser.add_argument("--policy", default=None, help="Hugging Face folder of the paper's model")
-    parser.add_argument("--list", action="store_true", help="print every preset and its source")
-    args = parser.parse_args(argv)
-    if args.list:
-        for name, preset in PAPER_PRESETS.items():
-            print(f"{name:48s} {preset.model.hf_id:40s} {preset.source}")
-        return 0
-    if args.name is None or args.out is None:
-        parser.error("give a preset name and an output file, or --list")
-    try:
-        written = write_yaml(args.name, args.out, policy=args.policy)
-    except configlib.ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    model = PAPER_PRESETS[args.name].model
-    print(f"wrote {written}" + ("" if args.policy else f"; set policy= to a local copy of {model.hf_id}"))
-    return 0
-
-
 if __name__ == "__main__":
+    from pipeline.cli.presets import main
+
     sys.exit(main())

@@ -1,18 +1,7 @@
-"""Pure tensor functions of the RL algorithms, registered by name (see ``registry.py``).
+"""Pure tensor functions of the RL algorithms: tensors in, ``(result, metrics)`` out.
 
-Importing this package fills the registries: every method module is imported here.
+Nothing here keeps state across steps, reads a config or touches ``torch.distributed``;
+the RL loop's methods (``pipeline/rl/methods.py``, ``pipeline/rl/sampling.py``) bind their
+options, keep their state and call these functions. Import the module you need, e.g.
+``from pipeline.algorithms.d3s import d3s_cross_select``.
 """
-
-from pipeline.algorithms import (  # noqa: F401  (imported for their registrations)
-    advantages,
-    cw_grpo,
-    d3s,
-    depo,
-    e3,
-    losses,
-    pods,
-    reinforce_ada,
-)
-from pipeline.algorithms.registry import ADVANTAGES, POLICY_LOSSES, SAMPLE_SELECTORS, TOKEN_WEIGHTS
-
-__all__ = ["ADVANTAGES", "POLICY_LOSSES", "SAMPLE_SELECTORS", "TOKEN_WEIGHTS"]

@@ -1,6 +1,6 @@
 """Group-relative advantages: one scalar per sample from the rewards of its group.
 
-Registered in ``ADVANTAGES`` with the contract
+Called through ``pipeline.rl.methods.ADVANTAGES`` with the contract
 ``fn(*, rewards, group_ids, **options) -> (advantages, metrics)``; ``rewards``,
 ``group_ids`` and the returned advantages are ``(S,)``. Groups are the responses
 to one prompt; they may be ragged and non-contiguous (see ``segments``).
@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from pipeline.algorithms import segments
-from pipeline.algorithms.registry import ADVANTAGES
 
 Metrics = dict[str, float | torch.Tensor]
 
@@ -80,7 +79,6 @@ def _summary(
     }
 
 
-@ADVANTAGES.register("grpo")
 def grpo_advantages(
     *,
     rewards: torch.Tensor,
@@ -111,7 +109,6 @@ def grpo_advantages(
     return advantages.to(rewards.dtype), _summary(advantages, degenerate, group_ids, num_groups)
 
 
-@ADVANTAGES.register("dr_grpo")
 def dr_grpo_advantages(
     *,
     rewards: torch.Tensor,
@@ -132,7 +129,6 @@ def dr_grpo_advantages(
     return advantages.to(rewards.dtype), _summary(advantages, degenerate, group_ids, num_groups)
 
 
-@ADVANTAGES.register("rloo")
 def rloo_advantages(
     *,
     rewards: torch.Tensor,
@@ -154,7 +150,6 @@ def rloo_advantages(
     return advantages.to(rewards.dtype), _summary(advantages, degenerate, group_ids, num_groups)
 
 
-@ADVANTAGES.register("global_baseline")
 def global_baseline_advantages(
     *,
     rewards: torch.Tensor,

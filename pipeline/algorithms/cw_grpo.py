@@ -9,7 +9,7 @@ equations are unnumbered; in the order they appear in Sec. 2.3:
 * (2.3-c) ``w̃_{i,t} = w_{i,t} · N / Σ_{j=1}^{G} Σ_{k=1}^{|o_j|} w_{j,k}``, ``N = Σ_j |o_j|``
 * (2.3-d) ``ℓ̃_{i,t} = ratio_{i,t} · (w̃_{i,t} Â_i) − β KL_{i,t}``
 
-``cw_grpo_token_weights`` (``TOKEN_WEIGHTS["cw_grpo"]``) returns ``w̃`` of
+``cw_grpo_token_weights`` (the ``cw_grpo`` entry of ``pipeline.rl.methods.TOKEN_WEIGHTS``) returns ``w̃`` of
 2.3-a..c; the policy loss applies 2.3-d by multiplying the per-token advantage
 by it.
 
@@ -61,7 +61,6 @@ from typing import Literal
 
 import torch
 
-from pipeline.algorithms.registry import TOKEN_WEIGHTS
 from pipeline.algorithms.segments import (
     all_finite,
     check_group_ids,
@@ -80,7 +79,6 @@ CovarianceScope = Literal["group", "batch"]
 ZERO_RELATIVE_TOLERANCE = 1e-9
 
 
-@TOKEN_WEIGHTS.register("cw_grpo")
 def cw_grpo_token_weights(
     *,
     advantages: torch.Tensor,

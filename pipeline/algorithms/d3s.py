@@ -7,16 +7,16 @@ What is implemented here, equation by equation:
 
 * Eq. 6 (sample level, intra-group, "D¹S"): per group, keep the ``N_s`` rollouts
   whose group-normalised advantages have the largest variance →
-  ``d3s_intra_select`` (registered ``SAMPLE_SELECTORS["d3s_intra"]``).
+  ``d3s_intra_select`` (the ``d3s_intra`` sample selector of ``pipeline.rl.methods``).
 * Eq. 7 (sample level, cross-group, "D¹S w/Cross"): the same arg-max over the
   pooled advantages of the whole batch, ``N = B·N_s`` samples, no
-  re-normalisation → ``d3s_cross_select`` (``SAMPLE_SELECTORS["d3s_cross"]``).
+  re-normalisation → ``d3s_cross_select`` (the ``d3s_cross`` sample selector).
 * The arg-max itself (Sec. 3.1, after Xu et al. 2025, PODS): the optimal subset
   of size ``n`` is the ``i`` largest plus the ``n − i`` smallest values for some
   ``i`` → ``max_variance_subset`` (shared with ``pods.py``).
 * Eq. 8 (token level): keep the top K% of the selected samples' response tokens
   by ``|A_{i,t}|·H_{i,t}`` → ``d3s_topk_token_weights``
-  (``TOKEN_WEIGHTS["d3s_topk"]``).
+  (the ``d3s_topk`` token weighting).
 * Eq. 9 (dynamic schedule): ``[N_s, K](p) = (1 − p)[N_init, K_init] + p[N_final, K_final]``
   → ``schedule_value_at``, ``num_keep_at``, ``keep_ratio_at`` and ``D3SSchedule``.
   Defaults are Table 6: G = 32, N 8 → 32, K 5% → 20%.
@@ -61,7 +61,6 @@ from typing import Any, Literal
 
 import torch
 
-from pipeline.algorithms.registry import SAMPLE_SELECTORS, TOKEN_WEIGHTS
 from pipeline.algorithms.segments import (
     all_finite,
     check_group_ids,
@@ -307,7 +306,6 @@ def draw_tie_break_key(
     )
 
 
-@SAMPLE_SELECTORS.register("d3s_intra")
 def d3s_intra_select(
     *,
     advantages: torch.Tensor,
@@ -350,7 +348,6 @@ def d3s_intra_select(
     return (keep_mask, advantages), metrics
 
 
-@SAMPLE_SELECTORS.register("d3s_cross")
 def d3s_cross_select(
     *,
     advantages: torch.Tensor,
@@ -560,7 +557,6 @@ def _break_ties(
     return above
 
 
-@TOKEN_WEIGHTS.register("d3s_topk")
 def d3s_topk_token_weights(
     *,
     advantages: torch.Tensor,

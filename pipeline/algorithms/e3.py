@@ -6,7 +6,8 @@ LLMs" (Liao, Xi, Chen, Leng, Hu, Zeng, Liu, Wan).
 §4.1 Dynamic rollout budget
     ``accumulate_prompt_rewards``  cumulative reward r^c_i and rollout count n^c_i.
     ``difficulty_ranks``           k_i = rank(q_i)/|D|, rank by descending r^c_i/n^c_i.
-    ``RankTracker``                state object around the two above.
+    (the run keeps r^c, n^c and k in its ``PromptStatsStore``; ``pipeline.rl.sampling.E3Budget``
+    re-ranks at each pass end)
     ``e3_budget_bounds``           G_min/G_max start at G and widen by a step per
                                    pass over D up to limits (§4.1, §5.1: step 2).
     ``e3_rollout_budgets``         Algorithm 1 (batch budget B·G conserved exactly;
@@ -32,7 +33,6 @@ import math
 import torch
 
 __all__ = [
-    "RankTracker",
     "TemperatureScheduler",
     "accumulate_prompt_rewards",
     "annealed_target_entropy",
@@ -231,68 +231,6 @@ def difficulty_ranks(
     k = torch.full((num_prompts,), (num_seen + 1) / (2.0 * num_seen), dtype=torch.float64)
     k[seen] = ranks_seen / num_seen
     return k, {"e3/num_ranked": float(num_seen), "e3/mean_reward_seen": float(averages.mean())}
-
-
-class RankTracker:
-    """Per-prompt cumulative reward/count and the difficulty ranks k_i of §4.1.
-
-    ``update`` after every rollout batch; ``end_pass`` at the end of each pass
-    over the dataset, which recomputes k and advances the pass counter that
-    ``e3_budget_bounds`` widens G_min/G_max with. Until the first ``end_pass``
-    every prompt has the neutral k = 1/2 (and G_min = G_max = G anyway).
-    Prompt ids are indices in ``[0, num_prompts)``.
-    """
-
-    def __init__(self, *, num_prompts: int) -> None:
-        if num_prompts < 0:
-            raise ValueError(f"num_prompts must be ≥ 0, got {num_prompts}")
-        self.reward_sum = torch.zeros(num_prompts, dtype=torch.float64)
-        self.num_rollouts = torch.zeros(num_prompts, dtype=torch.int64)
-        self.difficulty = torch.full((num_prompts,), 0.5, dtype=torch.float64)
-        self.num_completed_passes = 0
-
-    def update(self, *, prompt_ids: torch.Tensor, rewards: torch.Tensor) -> None:
-        self.reward_sum, self.num_rollouts = accumulate_prompt_rewards(
-            reward_sum=self.reward_sum,
-            num_rollouts=self.num_rollouts,
-            prompt_ids=prompt_ids.cpu(),
-            rewards=rewards.detach().cpu(),
-        )
-
-    def end_pass(self) -> dict[str, float | torch.Tensor]:
-        self.difficulty, metrics = difficulty_ranks(
-            reward_sum=self.reward_sum, num_rollouts=self.num_rollouts
-        )
-        self.num_completed_passes += 1
-        return metrics
-
-    def difficulty_of(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        """k for ``prompt_ids`` ``(B,)`` → ``(B,)`` float64, ready for ``e3_rollout_budgets``."""
-        return self.difficulty[prompt_ids.long().cpu()]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {
-            "reward_sum": self.reward_sum.clone(),
-            "num_rollouts": self.num_rollouts.clone(),
-            "difficulty": self.difficulty.clone(),
-            "num_completed_passes": torch.tensor(self.num_completed_passes, dtype=torch.int64),
-        }
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for key in ("reward_sum", "num_rollouts", "difficulty"):
-            if key not in state:
-                raise ValueError(f"RankTracker state is missing {key!r}")
-            if tuple(state[key].shape) != tuple(self.reward_sum.shape):
-                raise ValueError(
-                    f"RankTracker state {key!r} has shape {tuple(state[key].shape)}, "
-                    f"expected {tuple(self.reward_sum.shape)}"
-                )
-        if "num_completed_passes" not in state:
-            raise ValueError("RankTracker state is missing 'num_completed_passes'")
-        self.reward_sum = state["reward_sum"].to(torch.float64).clone()
-        self.num_rollouts = state["num_rollouts"].to(torch.int64).clone()
-        self.difficulty = state["difficulty"].to(torch.float64).clone()
-        self.num_completed_passes = int(state["num_completed_passes"])
 
 
 # ---------------------------------------------------------------------------

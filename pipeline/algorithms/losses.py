@@ -1,6 +1,6 @@
 """Clipped policy-gradient losses (GRPO token ratio, GSPO sequence ratio).
 
-Registered in ``POLICY_LOSSES`` with the contract
+Called through ``pipeline.rl.methods.POLICY_LOSSES`` with the contract
 ``fn(*, logprobs, old_logprobs, advantages, response_mask, **options) -> (loss, metrics)``;
 every tensor is ``(B, T)``, ``advantages`` is per token and already multiplied
 by any token weights, ``loss`` is a scalar to *minimize* with gradient w.r.t.
@@ -69,8 +69,6 @@ gradient sees them. A non-finite value at a response position raises
 from __future__ import annotations
 
 import torch
-
-from pipeline.algorithms.registry import POLICY_LOSSES
 
 Metrics = dict[str, float | torch.Tensor]
 
@@ -298,7 +296,6 @@ def _clipped_policy_loss(
     return loss, metrics
 
 
-@POLICY_LOSSES.register("grpo")
 def grpo_loss(
     *,
     logprobs: torch.Tensor,
@@ -348,7 +345,6 @@ def grpo_loss(
     )
 
 
-@POLICY_LOSSES.register("gspo")
 def gspo_loss(
     *,
     logprobs: torch.Tensor,

@@ -22,20 +22,18 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.algorithms.advantages import grpo_advantages
 from pipeline.algorithms.d3s import (
     check_num_keep,
     draw_tie_break_key,
     max_variance_subset,
     sample_selection_metrics,
 )
-from pipeline.algorithms.advantages import grpo_advantages
-from pipeline.algorithms.registry import SAMPLE_SELECTORS
 from pipeline.algorithms.segments import check_group_ids, group_counts, group_std
 
 __all__ = ["pods_select"]
 
 
-@SAMPLE_SELECTORS.register("pods")
 def pods_select(
     *,
     advantages: torch.Tensor | None,

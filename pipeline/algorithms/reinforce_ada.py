@@ -14,8 +14,9 @@ Reinforce-Ada-Seq (Algorithm 2, §3.2)
                               when available, filled from the other side
                               (registered as sample selector ``balanced``).
 Reinforce-Ada-Est (Algorithm 1, §3.1)
-    ``PassRateEstimator``     Ada-EMA: N_tot ← λN_tot + n, N_pos ← λN_pos + k,
-                              p̂ = (N_pos + α)/(N_tot + α + β).
+    ``ema_beta_update``       Ada-EMA: N_tot ← λN_tot + n, N_pos ← λN_pos + k;
+    ``ema_beta_estimate``     p̂ = (N_pos + α)/(N_tot + α + β) (the run's counters
+                              live in ``PromptStatsStore``).
     ``ada_est_budgets``       line 5: N_x ∝ 1/√(p̂+ε) in [N_min, N_max], Σ N_x =
                               N_total exactly; Appendix B.1 rule ∝ √((1−p)/p);
                               Appendix C.2 implicit weighting ∝ 1/(p̂+ε).
@@ -42,11 +43,9 @@ from typing import Literal
 
 import torch
 
-from pipeline.algorithms.registry import SAMPLE_SELECTORS
 from pipeline.algorithms.segments import check_group_ids, group_counts, group_sum
 
 __all__ = [
-    "PassRateEstimator",
     "PoolStatistics",
     "ada_est_budgets",
     "allocate_proportional_budgets",
@@ -173,7 +172,6 @@ def pool_statistics(
     return stats, metrics
 
 
-@SAMPLE_SELECTORS.register("balanced")
 def balanced_downsample(
     *,
     advantages: torch.Tensor,
@@ -300,77 +298,6 @@ def ema_beta_estimate(
 ) -> torch.Tensor:
     """p̂ = (N_pos + α) / (N_tot + α + β), §3.1 (posterior mean under Beta(α, β))."""
     return (num_positive + prior_alpha) / (num_total + prior_alpha + prior_beta)
-
-
-class PassRateEstimator:
-    """Ada-EMA pass-rate estimator of Reinforce-Ada-Est (§3.1, Algorithm 1 line 19).
-
-    Holds two float64 counters per prompt id in ``[0, num_prompts)``. The paper
-    gives no values for λ, α, β; the defaults here (λ = 0.9, a uniform
-    Beta(1, 1) prior) are ours. With α > 0 an unsolved prompt keeps p̂ > 0, so
-    the 1/√p̂ allocation never discards it (the point of §3.1).
-    """
-
-    def __init__(
-        self,
-        *,
-        num_prompts: int,
-        decay: float = 0.9,
-        prior_alpha: float = 1.0,
-        prior_beta: float = 1.0,
-    ) -> None:
-        if num_prompts < 0:
-            raise ValueError(f"num_prompts must be ≥ 0, got {num_prompts}")
-        if not (0.0 < decay <= 1.0):
-            raise ValueError(f"decay λ must lie in (0, 1], got {decay}")
-        if prior_alpha < 0 or prior_beta < 0 or prior_alpha + prior_beta <= 0:
-            raise ValueError(f"need α, β ≥ 0 with α + β > 0, got α={prior_alpha}, β={prior_beta}")
-        self.decay = decay
-        self.prior_alpha = prior_alpha
-        self.prior_beta = prior_beta
-        self.num_total = torch.zeros(num_prompts, dtype=torch.float64)
-        self.num_positive = torch.zeros(num_prompts, dtype=torch.float64)
-
-    def estimate(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        """p̂ for ``prompt_ids`` ``(B,)`` → ``(B,)`` float64."""
-        ids = prompt_ids.long()
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_total.numel()):
-            raise ValueError(f"prompt ids must lie in [0, {self.num_total.numel()})")
-        return ema_beta_estimate(
-            num_total=self.num_total[ids],
-            num_positive=self.num_positive[ids],
-            prior_alpha=self.prior_alpha,
-            prior_beta=self.prior_beta,
-        )
-
-    def update(
-        self, *, prompt_ids: torch.Tensor, num_samples: torch.Tensor, num_correct: torch.Tensor
-    ) -> dict[str, float | torch.Tensor]:
-        self.num_total, self.num_positive = ema_beta_update(
-            num_total=self.num_total,
-            num_positive=self.num_positive,
-            prompt_ids=prompt_ids.cpu(),
-            num_samples=num_samples.cpu(),
-            num_correct=num_correct.cpu(),
-            decay=self.decay,
-        )
-        seen = self.num_total > 0
-        return {"ada_est/num_prompts_seen": float(seen.sum())}
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"num_total": self.num_total.clone(), "num_positive": self.num_positive.clone()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for key in ("num_total", "num_positive"):
-            if key not in state:
-                raise ValueError(f"PassRateEstimator state is missing {key!r}")
-            if tuple(state[key].shape) != tuple(self.num_total.shape):
-                raise ValueError(
-                    f"PassRateEstimator state {key!r} has shape {tuple(state[key].shape)}, "
-                    f"expected {tuple(self.num_total.shape)}"
-                )
-        self.num_total = state["num_total"].to(torch.float64).clone()
-        self.num_positive = state["num_positive"].to(torch.float64).clone()
 
 
 def allocate_proportional_budgets(

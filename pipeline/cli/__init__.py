@@ -24,9 +24,7 @@ from pipeline.config import (
     RLConfig,
     TrainEstimatorConfig,
 )
-from pipeline.errors import UserError
-
-EXIT_USER_ERROR = 2
+from pipeline.errors import EXIT_USER_ERROR, UserError
 
 # Stage name → its config dataclass (used by `winnow config show|docs`).
 STAGE_CONFIGS: dict[str, type] = {
@@ -114,9 +112,11 @@ def _rl(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pipeline.stages.demo import run_demo
+    from pipeline.launch.demo import run_demo
+    from recipes.campaigns import demo_campaign
 
-    run_demo(configlib.load(DemoConfig, yaml_path=args.config, overrides=args.overrides))
+    cfg = configlib.load(DemoConfig, yaml_path=args.config, overrides=args.overrides)
+    run_demo(cfg, plan=demo_campaign(cfg))
     return 0
 
 
@@ -158,18 +158,19 @@ STAGES: list[Command] = [
 ]
 
 def _convert_commands() -> list[Command]:
-    from pipeline.checkpoint import tool
+    from pipeline.cli import convert
 
     return [
         Command("hf-to-megatron", "Hugging Face folder → winnow checkpoint (weights), verified by logits",
-                tool.add_hf_to_megatron_arguments, tool.run_hf_to_megatron),
+                convert.add_hf_to_megatron_arguments, convert.run_hf_to_megatron),
         Command("megatron-to-hf", "winnow checkpoint → Hugging Face folder, verified by logits",
-                tool.add_megatron_to_hf_arguments, tool.run_megatron_to_hf),
+                convert.add_megatron_to_hf_arguments, convert.run_megatron_to_hf),
     ]
 
 
 def _stage_commands_with_own_arguments() -> list[Command]:
-    from pipeline.stages import curate, evaluate, train_estimator
+    from pipeline.cli import curate, evaluate
+    from pipeline.cli import estimator as train_estimator
 
     return [
         Command("train-estimator", "train the DEPO difficulty estimator on curation outputs; report calibration",

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from pipeline.checkpoint.convert import EXPORT_DTYPES, hf_to_megatron, megatron_to_hf
 from pipeline.checkpoint.gate import GATE_ATOL
-from pipeline.errors import UserError
+from pipeline.errors import EXIT_USER_ERROR, UserError
 
 __all__ = [
     "add_hf_to_megatron_arguments",
@@ -27,7 +27,6 @@ __all__ = [
     "run_megatron_to_hf",
 ]
 
-_EXIT_USER_ERROR = 2  # winnow's (pipeline.cli.EXIT_USER_ERROR); importing it here would be a cycle
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -150,4 +149,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except (UserError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return _EXIT_USER_ERROR
+        return EXIT_USER_ERROR

@@ -25,7 +25,7 @@ from pipeline.data.synthetic import (
     generate_synthetic,
     split_of,
 )
-from pipeline.data.templates import BOXED_INSTRUCTION, TEMPLATES, render_prompt
+from pipeline.data.templates import BOXED_INSTRUCTION, TEMPLATES, prompt_token_ids, render_prompt
 
 __all__ = [
     "BAD_ROW_REASONS",
@@ -60,6 +60,7 @@ __all__ = [
     "load_prompts",
     "normalize_text",
     "parse_spec",
+    "prompt_token_ids",
     "render_prompt",
     "split_of",
     "stable_id",

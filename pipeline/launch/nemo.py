@@ -1,6 +1,6 @@
 """The NeMo-Run runner: a campaign's stages as tasks on a local machine or a SLURM cluster.
 
-Every stage runs the same script (:func:`stage_script`): ``python -m pipeline.launch.task
+Every stage runs the same script (:func:`stage_script`): ``python -m pipeline.cli.task
 node`` on each trainer node, with an explicit ``torch.distributed.run`` command for a
 multi-rank stage, and ``... task serve`` on the rollout nodes of an rl stage whose
 SGLang servers share its allocation (one job: trainer nodes first, rollout nodes after
@@ -92,7 +92,7 @@ def stage_script(plan: CampaignPlan, stage: Stage, *, python: str, workdir: str 
     """The bash a stage's task runs on every node of its job (see the module docstring)."""
     resources = stage.resources
     quote = shlex.quote
-    task = [python, "-m", "pipeline.launch.task"]
+    task = [python, "-m", "pipeline.cli.task"]
     where = ["--campaign-dir", str(plan.output_dir), "--stage", stage.name]
     lines = [
         "set -eo pipefail",

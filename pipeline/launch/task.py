@@ -1,4 +1,4 @@
-"""What runs on a node for one campaign stage: ``python -m pipeline.launch.task ROLE ...``.
+"""What runs on a node for one campaign stage: ``python -m pipeline.cli.task ROLE ...`` (``pipeline/cli/task.py``).
 
 Every stage's job (local or SLURM) runs the script :func:`pipeline.launch.nemo.stage_script`
 writes, which calls one of three roles:
@@ -19,14 +19,13 @@ filesystem every node shares.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -232,25 +231,17 @@ def run_worker(stage: Stage) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.launch.task", description=__doc__.split("\n\n")[0])
-    parser.add_argument("role", choices=["node", "worker", "serve"])
-    parser.add_argument("--campaign-dir", required=True, help="the campaign's output directory (campaign.json)")
-    parser.add_argument("--stage", required=True, help="the stage's name in the plan")
-    parser.epilog = "node role: `... -- COMMAND` runs COMMAND (torchrun) to start this node's ranks"
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:split])
-    launcher = argv[split + 1 :]
-    plan = CampaignPlan.load(args.campaign_dir)
-    stage = plan.stage(args.stage)
-    if args.role == "worker":
+ROLES = ("node", "worker", "serve")
+
+
+def run_role(role: str, *, campaign_dir: str, stage_name: str, launcher: Sequence[str] = ()) -> int:
+    """Run this node's part of one stage: start its ranks (``node``), be one rank (``worker``), or serve SGLang."""
+    plan = CampaignPlan.load(campaign_dir)
+    stage = plan.stage(stage_name)
+    if role == "worker":
         return run_worker(stage)
-    if args.role == "serve":
-        return serve(sglang_server_commands(
-            stage, host=os.environ.get("SLURMD_NODENAME") or socket.gethostname()), done_marker=_done_marker(plan, stage), token=_attempt_token())
+    if role == "serve":
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        return serve(sglang_server_commands(stage, host=host), done_marker=_done_marker(plan, stage),
+                     token=_attempt_token())
     return run_node(plan, stage, launcher=launcher)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

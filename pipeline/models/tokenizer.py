@@ -73,9 +73,3 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     ids = tokenizer.encode(text, add_special_tokens=False)
     return [tokenizer.bos_token_id, *ids] if tokenizer.bos_token_id is not None else ids
 
-
-def prompt_token_ids(tokenizer, prompt, *, template: str) -> list[int]:
-    """A ``Prompt`` rendered with ``template`` and encoded exactly as every stage feeds the engine."""
-    from pipeline.data import render_prompt
-
-    return encode_prompt(tokenizer, render_prompt(prompt, template=template, tokenizer=tokenizer))

@@ -12,17 +12,24 @@ Three registries, each entry chosen once by name from ``AlgorithmConfig``:
                     balanced down-sampling to G) or ``dynamic`` (DAPO: draw more prompts
                     until enough groups have reward variance).
 
-Every entry is a small object: its decisions are pure functions of the tensors it is
-given (the algorithm library does the arithmetic) and whatever state it keeps round-trips
-through ``state_dict``/``load_state_dict``. The per-prompt counts they read live in the
-run's ``PromptStatsStore``, so there is one source of truth for "how often was this
-prompt solved".
+Every entry is a ``Method`` (``pipeline/rl/registry.py``): built from its config section and
+the run's ``MethodSetting``, with these calls —
+
+* filter: ``num_candidates(B)``; ``__call__(candidates, batch_size=, step=) -> (SelectedPrompts, metrics)``;
+  ``update(end)`` trains DEPO's estimator on the step's observed pass rates;
+* budget: ``__call__(indices) -> (budgets (P,), metrics)``; ``update(end)`` re-ranks (E3) after a pass;
+* sampler: ``__call__(indices, budgets, generate=, draw=, seed=) -> Sampled``.
+
+Their decisions are pure functions of the tensors they are given (the algorithm library does
+the arithmetic) and whatever state they keep round-trips through ``state_dict``. The
+per-prompt counts they read live in the run's ``PromptStatsStore``, so there is one source
+of truth for "how often was this prompt solved".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +37,12 @@ import torch
 
 from pipeline.algorithms.depo import depo_filter, observed_zero_variance, zero_variance_log_prob
 from pipeline.algorithms.e3 import difficulty_ranks, e3_budget_bounds, e3_rollout_budgets
-from pipeline.algorithms.registry import Registry
 from pipeline.algorithms.reinforce_ada import ada_est_budgets, balanced_downsample, exit_condition
 from pipeline.config import AlgorithmConfig
+from pipeline.rl.registry import Method, MethodSetting, Metrics, Registry, StepEnd
 from pipeline.rl.rollouts import RolloutBatch
 from pipeline.stats.store import PromptStatsStore
 
-Metrics = dict[str, float]
 # generate(prompt indices (P,), budgets (P,), round) -> graded rollouts of those prompts
 Generate = Callable[[torch.Tensor, torch.Tensor, int], RolloutBatch]
 # draw(count) -> the next ``count`` prompt indices of the stream
@@ -78,24 +84,15 @@ class SelectedPrompts:
 
 
 @PROMPT_FILTERS.register("none")
-class NoFilter:
-    def __init__(self, cfg: AlgorithmConfig, *, texts: Sequence[str], stats: PromptStatsStore, seed: int) -> None:
+class NoFilter(Method):
+    def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
         pass
 
     def num_candidates(self, batch_size: int) -> int:
         return batch_size
 
-    def select(self, candidates: torch.Tensor, *, batch_size: int, step: int,
-               group_size: int) -> tuple[SelectedPrompts, Metrics]:
+    def __call__(self, candidates: torch.Tensor, *, batch_size: int, step: int) -> tuple[SelectedPrompts, Metrics]:
         return SelectedPrompts(candidates[:batch_size], None, torch.zeros(0, dtype=torch.int64)), {}
-
-    def observe(self, rollouts: RolloutBatch, *, question_logprobs: torch.Tensor | None,
-                selected: SelectedPrompts) -> Metrics:
-        return {}
-
-    @property
-    def needs_question_logprobs(self) -> bool:
-        return False
 
     def state_dict(self) -> dict[str, Any]:
         return {"tensors": {}, "json": {}}
@@ -105,7 +102,7 @@ class NoFilter:
 
 
 @PROMPT_FILTERS.register("depo")
-class DepoFilter:
+class DepoFilter(Method):
     """DEPO (§3): predict each candidate's pass rate from its text, drop likely zero-variance prompts.
 
     After ``warmup_steps`` a candidate is dropped when p̂^G + (1 − p̂)^G > threshold
@@ -116,14 +113,14 @@ class DepoFilter:
     its precision on the warm-up steps, where the truth is observed for every candidate.
     """
 
-    def __init__(self, cfg: AlgorithmConfig, *, texts: Sequence[str], stats: PromptStatsStore, seed: int) -> None:
+    def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
         from pipeline.estimator import DifficultyEstimator, EstimatorTrainer
 
         depo = cfg.depo
         # Seeded apart from the global RNG: every rank builds the same estimator, and
         # building it does not shift the actor's random stream.
         with torch.random.fork_rng():
-            torch.manual_seed(seed)
+            torch.manual_seed(setting.seed)
             if depo.estimator_dir is not None:
                 model = DifficultyEstimator.load(depo.estimator_dir)
             elif depo.encoder == "minilm":
@@ -133,8 +130,9 @@ class DepoFilter:
         self.trainer = EstimatorTrainer(model, lr=depo.lr, w_distill=depo.w_distill, w_rank=depo.w_rank,
                                         margin=depo.margin)
         self.cfg = depo
-        self.texts = texts
-        self.stats = stats
+        self.texts = setting.texts
+        self.stats = setting.stats
+        self.group_size = setting.group_size
 
     def num_candidates(self, batch_size: int) -> int:
         return math.ceil(batch_size * self.cfg.oversample)
@@ -147,8 +145,8 @@ class DepoFilter:
     # likely zero-variance candidates are rolled out anyway (and counted as not filtered).
     MIN_PROMPTS = 2
 
-    def select(self, candidates: torch.Tensor, *, batch_size: int, step: int,
-               group_size: int) -> tuple[SelectedPrompts, Metrics]:
+    def __call__(self, candidates: torch.Tensor, *, batch_size: int, step: int) -> tuple[SelectedPrompts, Metrics]:
+        group_size = self.group_size
         self.trainer.model.eval()
         with torch.no_grad():
             predicted = self.trainer.model.predict_pass_rate([self.texts[i] for i in candidates.tolist()])  # (C,)
@@ -166,8 +164,8 @@ class DepoFilter:
         metrics = {**_floats(metrics), "depo/filter_ratio": float((~keep_mask).double().mean())}
         return SelectedPrompts(candidates[kept], predicted[kept], candidates[~keep_mask]), metrics
 
-    def observe(self, rollouts: RolloutBatch, *, question_logprobs: torch.Tensor | None,
-                selected: SelectedPrompts) -> Metrics:
+    def update(self, end: StepEnd) -> Metrics:
+        rollouts, question_logprobs, selected = end.pool, end.question_logprobs, end.selected
         num_samples = rollouts.num_samples_per_prompt()  # (P,)
         rolled = num_samples > 0
         if int(rolled.sum()) < 2:  # the ranking loss needs pairs; one prompt teaches too little
@@ -195,25 +193,16 @@ class DepoFilter:
 
 
 @BUDGETS.register("uniform")
-class UniformBudget:
-    def __init__(self, cfg: AlgorithmConfig, *, group_size: int, stats: PromptStatsStore) -> None:
-        self.group_size = group_size
+class UniformBudget(Method):
+    def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
+        self.group_size = setting.group_size
 
-    def allocate(self, indices: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    def __call__(self, indices: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         return torch.full((indices.numel(),), self.group_size, dtype=torch.int64), {}
-
-    def end_pass(self) -> Metrics:
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 @BUDGETS.register("e3")
-class E3Budget:
+class E3Budget(Method):
     """E3 §4.1: budgets from difficulty ranks, conserved at B·G, bounds widening each pass.
 
     The ranks k_i come from the store's cumulative reward and rollout counts (curation
@@ -222,10 +211,10 @@ class E3Budget:
     Prompts never ranked get the neutral k = 1/2.
     """
 
-    def __init__(self, cfg: AlgorithmConfig, *, group_size: int, stats: PromptStatsStore) -> None:
+    def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
         self.cfg = cfg.e3_budget
-        self.group_size = group_size
-        self.stats = stats
+        self.group_size = setting.group_size
+        self.stats = setting.stats
         self.num_completed_passes = 0
         self._rank_all()
 
@@ -235,6 +224,9 @@ class E3Budget:
         rows = self.stats.rows(everything)
         ranks, metrics = difficulty_ranks(reward_sum=rows["reward_sum"] + prior_successes,
                                           num_rollouts=rows["num_samples"].double() + prior_samples)
+        # Every stored rank is a multiple of 1/(2|D|) of this ranking (the unranked 1/2 too), so the
+        # budget split can run in exact integers (E3 Algorithm 1 step 4).
+        self.num_ranked = int(metrics["e3/num_ranked"])
         seen = (rows["num_samples"] + prior_samples) > 0
         if bool(seen.any()):
             self.stats.set_column("e3_rank", prompt_ids=everything[seen], values=ranks[seen])
@@ -244,14 +236,17 @@ class E3Budget:
         return e3_budget_bounds(num_completed_passes=self.num_completed_passes, group_size=self.group_size,
                                 min_limit=self.cfg.min_limit, max_limit=self.cfg.max_limit, step=self.cfg.widen_step)
 
-    def allocate(self, indices: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    def __call__(self, indices: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         difficulty = torch.nan_to_num(self.stats.rows(indices)["e3_rank"], nan=0.5)  # (P,)
         low, high = self.bounds()
         budgets, metrics = e3_rollout_budgets(difficulty=difficulty, group_size=self.group_size, min_budget=low,
-                                              max_budget=high)
+                                              max_budget=high, rank_denominator=2 * max(self.num_ranked, 1))
         return budgets, {**_floats(metrics), "e3/g_min": float(low), "e3/g_max": float(high)}
 
-    def end_pass(self) -> Metrics:
+    def update(self, end: StepEnd) -> Metrics:
+        """A completed pass over the data widens the bounds and re-ranks every prompt (E3 §4.1)."""
+        if not end.epoch_ended:
+            return {}
         self.num_completed_passes += 1
         return self._rank_all()
 
@@ -263,17 +258,17 @@ class E3Budget:
 
 
 @BUDGETS.register("ada_est")
-class AdaEstBudget:
+class AdaEstBudget(Method):
     """Reinforce-Ada-Est (Algorithm 1 line 5): N_x ∝ 1/√(p̂_x + ε) within [N_min, N_max], Σ = B·G.
 
     p̂ is the store's Ada-EMA/Beta estimate (λ = ``ada_est.ema_decay`` is the store's
     decay); a prompt RL has not sampled yet counts its curation samples as evidence.
     """
 
-    def __init__(self, cfg: AlgorithmConfig, *, group_size: int, stats: PromptStatsStore) -> None:
+    def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
         self.cfg = cfg.ada_est
-        self.group_size = group_size
-        self.stats = stats
+        self.group_size = setting.group_size
+        self.stats = setting.stats
 
     def pass_rates(self, indices: torch.Tensor) -> torch.Tensor:
         rows = self.stats.rows(indices)
@@ -281,21 +276,12 @@ class AdaEstBudget:
         alpha, beta = self.cfg.prior_alpha, self.cfg.prior_beta
         return (rows["ema_correct"] + prior_successes + alpha) / (rows["ema_total"] + prior_samples + alpha + beta)
 
-    def allocate(self, indices: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    def __call__(self, indices: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         estimate = self.pass_rates(indices)  # (P,)
         budgets, metrics = ada_est_budgets(pass_rate=estimate, total=indices.numel() * self.group_size,
                                            min_budget=self.cfg.min_budget, max_budget=self.cfg.max_budget,
                                            rule=self.cfg.rule)
         return budgets, {**_floats(metrics), "ada_est/pass_rate_mean": float(estimate.mean())}
-
-    def end_pass(self) -> Metrics:
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 # ---------------------------------------------------------------------------- samplers
@@ -313,29 +299,29 @@ class Sampled:
 
 
 @SAMPLERS.register("single")
-class SingleRound:
-    def __init__(self, cfg: AlgorithmConfig, *, group_size: int) -> None:
+class SingleRound(Method):
+    def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
         pass
 
-    def sample(self, indices: torch.Tensor, budgets: torch.Tensor, *, generate: Generate, draw: Draw,
+    def __call__(self, indices: torch.Tensor, budgets: torch.Tensor, *, generate: Generate, draw: Draw,
                seed: int) -> Sampled:
         rollouts = generate(indices, budgets, 0)
         return Sampled(pool=rollouts, train=rollouts, baseline=rollouts)
 
 
 @SAMPLERS.register("ada_seq")
-class AdaSeq:
+class AdaSeq(Method):
     """Reinforce-Ada-Seq (Algorithm 2): rounds of ``round_size`` per active prompt until its exit rule
     (POS: ≥ k_pos correct; BALANCE: also ≥ k_neg incorrect) or the cap N_max, then balanced
     down-sampling (line 18) to G per prompt. The advantage's baseline sees the whole pool
     (``Sampled.pool``), the update only the down-sampled G.
     """
 
-    def __init__(self, cfg: AlgorithmConfig, *, group_size: int) -> None:
+    def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
         self.cfg = cfg.ada_seq
-        self.group_size = group_size
+        self.group_size = setting.group_size
 
-    def sample(self, indices: torch.Tensor, budgets: torch.Tensor, *, generate: Generate, draw: Draw,
+    def __call__(self, indices: torch.Tensor, budgets: torch.Tensor, *, generate: Generate, draw: Draw,
                seed: int) -> Sampled:
         cfg = self.cfg
         parts: list[RolloutBatch] = []
@@ -367,16 +353,16 @@ class AdaSeq:
 
 
 @SAMPLERS.register("dynamic")
-class DynamicSampling:
+class DynamicSampling(Method):
     """DAPO dynamic sampling: keep only groups with reward variance, drawing more prompts from the
     stream until ``min_useful_fraction`` of the batch is filled or ``max_rounds`` is reached.
     The batch trains on at most B useful groups; zero-variance groups are discarded.
     """
 
-    def __init__(self, cfg: AlgorithmConfig, *, group_size: int) -> None:
+    def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
         self.cfg = cfg.dynamic
 
-    def sample(self, indices: torch.Tensor, budgets: torch.Tensor, *, generate: Generate, draw: Draw,
+    def __call__(self, indices: torch.Tensor, budgets: torch.Tensor, *, generate: Generate, draw: Draw,
                seed: int) -> Sampled:
         batch_size = indices.numel()
         target = math.ceil(self.cfg.min_useful_fraction * batch_size)
@@ -411,15 +397,26 @@ class DynamicSampling:
 class Sampling:
     """The filter, budget and sampler a run uses, built once from the config."""
 
-    prompt_filter: Any
-    budget: Any
-    sampler: Any
+    prompt_filter: Method
+    budget: Method
+    sampler: Method
 
     TENSOR_PREFIX = "filter."
 
+    @property
+    def needs_question_logprobs(self) -> bool:
+        return any(method.needs_question_logprobs for method in (self.prompt_filter, self.budget, self.sampler))
+
+    def end_step(self, end: StepEnd) -> Metrics:
+        """The end-of-step hook: filter, budget and sampler each see the step's outcome."""
+        metrics: Metrics = {}
+        for method in (self.prompt_filter, self.budget, self.sampler):
+            metrics.update(method.update(end))
+        return metrics
+
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """(JSON state, tensors) for the checkpoint; tensors are prefixed ``filter.``."""
-        filter_state = self.prompt_filter.state_dict()
+        """(JSON state, tensors) for the checkpoint; the filter's tensors are prefixed ``filter.``."""
+        filter_state = self.prompt_filter.state_dict() or {"tensors": {}, "json": {}}
         tensors = {self.TENSOR_PREFIX + name: tensor for name, tensor in filter_state["tensors"].items()}
         return {"filter": filter_state["json"], "budget": self.budget.state_dict()}, tensors
 
@@ -430,10 +427,9 @@ class Sampling:
         self.budget.load_state_dict(state["budget"])
 
 
-def build_sampling(cfg: AlgorithmConfig, *, group_size: int, texts: Sequence[str], stats: PromptStatsStore,
-                   seed: int) -> Sampling:
+def build_sampling(cfg: AlgorithmConfig, setting: MethodSetting) -> Sampling:
     return Sampling(
-        prompt_filter=PROMPT_FILTERS.get(cfg.prompt_filter)(cfg, texts=texts, stats=stats, seed=seed),
-        budget=BUDGETS.get(cfg.budget)(cfg, group_size=group_size, stats=stats),
-        sampler=SAMPLERS.get(cfg.sampling)(cfg, group_size=group_size),
+        prompt_filter=PROMPT_FILTERS.build(cfg.prompt_filter, cfg, setting),
+        budget=BUDGETS.build(cfg.budget, cfg, setting),
+        sampler=SAMPLERS.build(cfg.sampling, cfg, setting),
     )

@@ -1,27 +1,34 @@
-"""Everything the RL loop holds, built once from the config, and its checkpointed state."""
+"""Everything the RL loop holds, built once from the config, and its checkpointed state.
+
+``setup_run`` builds it from an ``InitialPolicy`` the caller resolved (the ``rl`` stage
+bootstraps or resolves a checkpoint; this floor never runs another stage).
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pipeline import configlib
+from pipeline.checkpoint.artifact import load_weights
+from pipeline.checkpoint.manager import CheckpointManager
 from pipeline.config import RLConfig, RolloutConfig
 from pipeline.data import Prompt, load_prompts
+from pipeline.data.templates import prompt_token_ids
 from pipeline.metrics import MetricsWriter
 from pipeline.models.spec import ModelSpec
-from pipeline.models.tokenizer import load_tokenizer, prompt_token_ids
+from pipeline.models.tokenizer import load_tokenizer
 from pipeline.rl.methods import Methods, build_methods
+from pipeline.rl.registry import MethodSetting
 from pipeline.rl.sampling import Sampling, build_sampling
 from pipeline.rl.stream import PromptStream
 from pipeline.stats.store import PromptStatsStore
 from pipeline.trainer.actor import Actor
-from pipeline.trainer.checkpoint import CheckpointManager, load_model_weights
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +43,16 @@ class Ledger:
     samples_discarded: int = 0
     zero_variance_groups: int = 0
     groups: int = 0
+
+    def record(self, *, tokens_generated: int, tokens_with_gradient: int, prompts_filtered: int,
+               samples_discarded: int, zero_variance_groups: int, groups: int) -> None:
+        """Add one step's counts."""
+        self.tokens_generated += tokens_generated
+        self.tokens_with_gradient += tokens_with_gradient
+        self.prompts_filtered += prompts_filtered
+        self.samples_discarded += samples_discarded
+        self.zero_variance_groups += zero_variance_groups
+        self.groups += groups
 
     def state_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -88,7 +105,7 @@ class Run:
     writer: MetricsWriter | None
     start_step: int
     output_dir: Path
-    extras: dict[str, Any] = field(default_factory=dict)
+    consecutive_skipped: int = 0  # steps skipped in a row for non-finite gradients
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """JSON state and tensors of everything but the actor (which the manager saves itself)."""
@@ -97,24 +114,21 @@ class Run:
         state = {
             "stream": self.stream.state_dict(),
             "ledger": self.ledger.state_dict(),
-            "methods": {name: obj.state_dict() for name, obj in self.methods.stateful.items()},
+            "methods": self.methods.state_dict(),
             "sampling": sampling_state,
             "stats_meta": stats["meta"],
-            "temperature": self.extras.get("temperature"),
-            "consecutive_skipped": self.extras["consecutive_skipped"],
+            "consecutive_skipped": self.consecutive_skipped,
         }
         return state, {**{f"stats.{k}": v for k, v in stats["tensors"].items()}, **sampling_tensors}
 
     def load_state(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         self.stream.load_state_dict(state["stream"])
         self.ledger.load_state_dict(state["ledger"])
-        for name, obj in self.methods.stateful.items():
-            obj.load_state_dict(state["methods"][name])
+        self.methods.load_state_dict(state["methods"])
         stats_tensors = {k.removeprefix("stats."): v for k, v in tensors.items() if k.startswith("stats.")}
         self.stats.load_state_dict({"meta": state["stats_meta"], "tensors": stats_tensors})
         self.sampling.load_state(state["sampling"], tensors)
-        self.extras["temperature"] = state["temperature"]
-        self.extras["consecutive_skipped"] = int(state["consecutive_skipped"])
+        self.consecutive_skipped = int(state["consecutive_skipped"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,43 +138,13 @@ class InitialPolicy:
     tokenizer_dir: Path
 
 
-def initial_policy(cfg: RLConfig, *, context) -> InitialPolicy:
-    """The policy RL starts from: ``cfg.policy`` (a winnow checkpoint) or the bootstrap policy.
-
-    A Hugging Face folder is converted once with ``winnow convert hf-to-megatron``, which
-    checks logit parity; starting from unverified weights is not offered.
-    """
-    from pipeline.checkpoint.tool import checkpoint_spec, resolve_checkpoint, tokenizer_candidates
-    from pipeline.eval.policy import is_hf_folder
-    from pipeline.stages.bootstrap import run_bootstrap
-
-    if cfg.policy is None:
-        base = run_bootstrap(cfg.bootstrap, context=context)
-        weights = CheckpointManager(base.checkpoint_dir, keep_last=1, rank=context.rank,
-                                    world_size=context.world_size).newest_valid()
-        if weights is None:
-            raise FileNotFoundError(f"no valid checkpoint under {base.checkpoint_dir}")
-        return InitialPolicy(ModelSpec(**base.summary["model_spec"]), weights, Path(cfg.tokenizer or base.tokenizer_dir))
-    if is_hf_folder(Path(cfg.policy)):
-        raise ValueError(f"policy: {cfg.policy} is a Hugging Face folder; convert it once with `winnow convert "
-                         f"hf-to-megatron --hf {cfg.policy} --out DIR` (it verifies logit parity) and pass DIR")
-    step_dir = resolve_checkpoint(cfg.policy)
-    candidates = [Path(cfg.tokenizer)] if cfg.tokenizer else tokenizer_candidates(step_dir)
-    tokenizer_dir = next((folder for folder in candidates if (folder / "tokenizer.json").is_file()), None)
-    if tokenizer_dir is None:
-        raise ValueError(f"tokenizer: no tokenizer.json in {', '.join(map(str, candidates))}; set tokenizer=DIR")
-    return InitialPolicy(checkpoint_spec(step_dir), step_dir, tokenizer_dir)
-
-
-def seed_stats_from_curation(stats: PromptStatsStore, curation_dir: str) -> None:
-    """Record the curation's measured pass rates for the training prompts it sampled."""
-    from pipeline.stages.curate import load_curation
-
-    curation = load_curation(curation_dir)
+def seed_stats_from_curation(stats: PromptStatsStore, curation, *, source: str) -> None:
+    """Record a curation's measured pass rates (``prompt_ids``, ``pass_rates``, ``num_samples``) for the
+    training prompts it sampled; ``source`` names it in the error when it measured none of them."""
     known = set(stats.prompt_ids)
     rows = [i for i, prompt_id in enumerate(curation.prompt_ids) if prompt_id in known and curation.num_samples[i] > 0]
     if not rows:
-        raise ValueError(f"curation_dir: {curation_dir} measured none of the {stats.num_prompts} training prompts "
+        raise ValueError(f"curation_dir: {source} measured none of the {stats.num_prompts} training prompts "
                          "(is data.train the curation's kept.jsonl?)")
     stats.seed_from_curation(prompt_ids=[curation.prompt_ids[i] for i in rows],
                              pass_rates=torch.from_numpy(curation.pass_rates[rows]),
@@ -184,18 +168,17 @@ def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_di
                        pad_token_id=tokenizer.pad_token_id, show_progress=False)
 
 
-def setup_run(cfg: RLConfig, *, context=None) -> Run:
-    from pipeline.parallel.rendezvous import initialize_process_context
+def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -> Run:
+    """Build the run (actor, engine, data, methods, statistics) and resume it from its newest checkpoint.
+
+    ``curation``: a loaded curation (``prompt_ids``, ``pass_rates``, ``num_samples``) whose pass
+    rates seed the statistics store before any method reads it (``cfg.curation_dir``).
+    """
     from pipeline.rewards import GradingPool
 
-    if context is None:
-        context = initialize_process_context(
-            tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
-            seed=cfg.seed, backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
     output_dir = Path(cfg.logging.output_dir)
     if context.rank == 0:
         configlib.save_resolved(cfg, output_dir)
-    policy = initial_policy(cfg, context=context)
     tokenizer = load_tokenizer(policy.tokenizer_dir)
     spec = policy.spec
     actor = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=cfg.optim, seed=cfg.seed)
@@ -214,17 +197,18 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
         raise ValueError(f"data.train: {len(too_long)} prompts (e.g. {too_long[0]}) exceed the model's context "
                          f"of {spec.max_position_embeddings} tokens with max_new_tokens={cfg.max_new_tokens}")
     eval_prompts, _ = load_prompts(cfg.eval_set, split="test")
-    methods = build_methods(cfg.algorithm, total_steps=cfg.steps, group_size=cfg.group_size,
-                            vocab_size=spec.vocab_size, temperature=cfg.temperature)
     stats = PromptStatsStore([p.id for p in prompts], ema_decay=cfg.algorithm.ada_est.ema_decay)
-    if cfg.curation_dir is not None:
-        seed_stats_from_curation(stats, cfg.curation_dir)
-    sampling = build_sampling(cfg.algorithm, group_size=cfg.group_size, texts=[p.problem for p in prompts],
-                              stats=stats, seed=cfg.seed)
+    if curation is not None:
+        seed_stats_from_curation(stats, curation, source=str(cfg.curation_dir))
+    setting = MethodSetting(total_steps=cfg.steps, group_size=cfg.group_size, temperature=cfg.temperature,
+                            vocab_size=spec.vocab_size, max_new_tokens=cfg.max_new_tokens,
+                            texts=[p.problem for p in prompts], stats=stats, seed=cfg.seed)
+    methods = build_methods(cfg.algorithm, setting)
+    sampling = build_sampling(cfg.algorithm, setting)
     reference = None
     if cfg.algorithm.kl_coef > 0:
         reference = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=None, seed=cfg.seed)
-        load_model_weights(policy.weights, reference.module)
+        load_weights(policy.weights, reference.module)
     run = Run(
         cfg=cfg, context=context, actor=actor, reference=reference,
         # Only global rank 0 drives the engine; the other ranks receive its graded samples.
@@ -233,7 +217,6 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
         prompt_token_ids=encoded_prompts, eval_prompts=eval_prompts, methods=methods, sampling=sampling,
         stream=PromptStream(len(prompts), seed=cfg.seed), stats=stats,
         ledger=Ledger(), checkpoints=checkpoints, writer=None, start_step=0, output_dir=output_dir,
-        extras={"temperature": cfg.temperature, "consecutive_skipped": 0},
     )
     resume_from = checkpoints.newest_valid() if cfg.checkpoint.resume != "never" else None
     if cfg.checkpoint.resume == "must" and resume_from is None:
@@ -244,7 +227,7 @@ def setup_run(cfg: RLConfig, *, context=None) -> Run:
         run.start_step = loaded.step
         logger.info("resumed from %s at step %d", resume_from, loaded.step)
     else:
-        load_model_weights(policy.weights, actor.module)
+        load_weights(policy.weights, actor.module)
     if context.rank == 0:
         run.writer = MetricsWriter(output_dir, tensorboard=cfg.logging.tensorboard,
                                    resume_from_step=run.start_step if resume_from is not None else None)

@@ -13,7 +13,7 @@ Truncated importance sampling (TIS) corrects the policy gradient for the mismatc
 by weighting each token with ``w = min(π_old / π_rollout, C)`` — Ionides (2008),
 "Truncated Importance Sampling", J. Comput. Graph. Stat. 17(2), applied to LLM RL by
 Yao, Liu et al. (2025), "Your Efficient RL Framework Secretly Brings You Off-Policy
-RL Training" (fengyao.notion.site; neither is in /work/shared/papers). ``π_old`` is
+RL Training" (fengyao.notion.site). ``π_old`` is
 the trainer's recomputation for the rollout's weights (the denominator of the PPO
 ratio), so ``w`` rescales the PPO objective token by token, with no gradient.
 

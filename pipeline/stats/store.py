@@ -2,7 +2,7 @@
 
 Each column is a ``(P,)`` CPU tensor indexed by a stable prompt index ``0..P-1``
 (the position of the id in the list the store was built from), so the index tensors
-that ``PassRateEstimator``, ``RankTracker`` and the DEPO filter take are store
+that the Ada-Est and E3 budgets and the DEPO filter take are store
 indices. Columns (``COLUMNS`` lists them with dtypes and fill values):
 
 ==========================  =======  =====================================================
@@ -21,10 +21,10 @@ indices. Columns (``COLUMNS`` lists them with dtypes and fill values):
 Derived: ``pass_rate`` = num_correct / num_samples (NaN while unsampled) and
 ``ema_pass_rate(α, β)`` = (ema_correct + α) / (ema_total + α + β).
 
-Ada-EMA — /work/shared/papers/reinforce-ada-adaptive-sampling.txt, "Reinforce-Ada: An
+Ada-EMA — "Reinforce-Ada: An
 Adaptive Sampling Framework under Non-linear RL Objectives", §3.1 (Algorithm 1 line 19):
 N_tot ← λ·N_tot + n, N_pos ← λ·N_pos + k, p̂ = (N_pos + α)/(N_tot + α + β). The semantics
-are those of ``pipeline.algorithms.reinforce_ada.PassRateEstimator``: only prompts listed
+are Reinforce-Ada-Est §3.1's (``ema_beta_update``; the test oracle ``tests/oracles/estimators.py`` checks them): only prompts listed
 in an update decay; a prompt listed twice in one update is one encounter with its counts
 summed; a prompt listed with zero samples (drawn, then filtered before rollout) still
 decays, exactly as the estimator does. We sum the duplicates before decaying, so
@@ -315,7 +315,7 @@ class PromptStatsStore:
     def ema_pass_rate(self, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
         """Ada-EMA/Beta posterior mean p̂ = (ema_correct + α)/(ema_total + α + β) ``(P,)`` (Reinforce-Ada §3.1).
 
-        The defaults, a uniform Beta(1, 1) prior, are ``PassRateEstimator``'s.
+        The defaults are a uniform Beta(1, 1) prior.
         """
         if alpha < 0 or beta < 0 or alpha + beta <= 0:
             raise ValueError(f"need α, β ≥ 0 with α + β > 0, got α={alpha}, β={beta}")

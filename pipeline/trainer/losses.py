@@ -7,12 +7,12 @@ and data-parallel ranks), so micro-batching never changes the loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from pipeline.algorithms.losses import loss_denominator
-from pipeline.algorithms.registry import POLICY_LOSSES
 from pipeline.trainer.batch import TrainBatch
 
 
@@ -34,15 +34,17 @@ class CrossEntropyLoss:
 
 
 class PolicyLoss:
-    """A registered policy loss (``POLICY_LOSSES``) with its options bound once."""
+    """A policy loss of ``pipeline.algorithms.losses`` (``grpo_loss``, ``gspo_loss``) with its options bound once."""
 
-    def __init__(self, name: str, *, aggregation: str = "token_mean", **options: Any) -> None:
-        self.fn = POLICY_LOSSES.get(name)
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, dict[str, Any]]], *, aggregation: str = "token_mean",
+                 **options: Any) -> None:
+        self.fn = fn
         self.aggregation = aggregation
         self.options = options
 
     def denominator(self, micro: TrainBatch) -> torch.Tensor:
-        return loss_denominator(micro.response_mask, aggregation=self.aggregation, token_mask=micro.token_mask)
+        return loss_denominator(micro.response_mask, aggregation=self.aggregation, token_mask=micro.token_mask,
+                                max_response_length=self.options.get("max_response_length"))
 
     def __call__(self, *, logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: TrainBatch,
                  normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.algorithms.cw_grpo import cw_grpo_token_weights
-from pipeline.algorithms.registry import TOKEN_WEIGHTS
 
 
 def reference_weights(advantages, logprobs, mask, group_ids, scope):
@@ -269,7 +268,3 @@ def test_mean_weight_is_one_per_scope(seed, scope):
         assert float(weights[in_scope].sum()) == pytest.approx(n, rel=1e-5, abs=1e-6)
         # w ≤ 1 before normalisation, so no weight exceeds N / Σw ≤ N.
         assert float(weights[in_scope].max()) <= n + 1e-5
-
-
-def test_registered():
-    assert TOKEN_WEIGHTS.get("cw_grpo") is cw_grpo_token_weights

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from pipeline.algorithms.d3s import (
     _BRACKET_MIN_POOL,
     _BRACKET_SAMPLE_SIZE,
-    _kth_largest,
     D3S_VARIANTS,
     D3SSchedule,
+    _kth_largest,
     d3s_cross_select,
     d3s_intra_select,
     d3s_topk_token_weights,
@@ -26,8 +26,7 @@ from pipeline.algorithms.d3s import (
     num_keep_at,
     schedule_value_at,
 )
-from pipeline.algorithms.registry import SAMPLE_SELECTORS, TOKEN_WEIGHTS
-
+from pipeline.rl.methods import SAMPLE_SELECTORS, TOKEN_WEIGHTS
 
 # --------------------------------------------------------------------------- #
 # Reference implementations, straight from the equations (float64 loops)       #
@@ -498,12 +497,6 @@ def test_variants_are_configurations():
         assert variant.token_weighting is None or variant.token_weighting in TOKEN_WEIGHTS
     with pytest.raises(ValueError, match="unknown D3S variant"):
         d3s_variant("d4s")
-
-
-def test_registered():
-    assert SAMPLE_SELECTORS.get("d3s_intra") is d3s_intra_select
-    assert SAMPLE_SELECTORS.get("d3s_cross") is d3s_cross_select
-    assert TOKEN_WEIGHTS.get("d3s_topk") is d3s_topk_token_weights
 
 
 def stable_sort_topk(scores: torch.Tensor, valid: torch.Tensor, keep_ratio: float) -> torch.Tensor:

@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.algorithms.e3 import (
-    RankTracker,
     TemperatureScheduler,
     annealed_target_entropy,
     difficulty_ranks,
@@ -21,6 +20,7 @@ from pipeline.algorithms.e3 import (
     entropy_temperature_update,
     rank_numerators,
 )
+from tests.oracles.estimators import RankTracker
 
 # ---------------------------------------------------------------------------
 # Loop references written from the paper

@@ -10,11 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.algorithms import losses
-from pipeline.algorithms.registry import POLICY_LOSSES
 
 AGGREGATIONS = losses.AGGREGATIONS
 # Dr. GRPO's L_max: larger than the batches' padded width (6), as a generation limit is.
 MAX_RESPONSE_LENGTH = 9
+
+LOSS_FUNCTIONS = {"grpo": losses.grpo_loss, "gspo": losses.gspo_loss}
 
 
 # ---------------------------------------------------------------- loop reference
@@ -107,7 +108,7 @@ def test_matches_loop_reference(method, aggregation, use_token_mask, seed):
 
     lp_fast = logprobs.clone().requires_grad_()
     entropy_fast = entropy.clone().requires_grad_()
-    loss, metrics = POLICY_LOSSES.get(method)(
+    loss, metrics = LOSS_FUNCTIONS[method](
         logprobs=lp_fast,
         old_logprobs=old,
         advantages=advantages,
@@ -296,7 +297,7 @@ def test_micro_batches_sum_to_full_batch(method, aggregation, seed, cuts):
     options = dict(aggregation=aggregation, token_mask=token_mask, ref_logprobs=ref, kl_coef=0.1,
                    entropy=entropy, entropy_coef=0.01, eps_low=0.2, eps_high=0.28,
                    max_response_length=MAX_RESPONSE_LENGTH)
-    loss_fn = POLICY_LOSSES.get(method)
+    loss_fn = LOSS_FUNCTIONS[method]
 
     full_lp = logprobs.clone().requires_grad_()
     full, _ = loss_fn(logprobs=full_lp, old_logprobs=old, advantages=advantages, response_mask=response_mask, **options)
@@ -333,7 +334,7 @@ def test_nan_outside_mask_does_not_leak(method, aggregation):
     def run(fill):
         lp = torch.where(outside, fill, logprobs).requires_grad_()
         ent = torch.where(outside, fill, entropy).requires_grad_()
-        loss, metrics = POLICY_LOSSES.get(method)(
+        loss, metrics = LOSS_FUNCTIONS[method](
             logprobs=lp,
             old_logprobs=torch.where(outside, fill, old),
             advantages=torch.where(outside, fill, advantages),
@@ -372,7 +373,7 @@ def test_non_finite_inside_mask_raises(name):
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_fully_masked_batch_gives_zero_loss_and_gradient(method, aggregation):
     logprobs = torch.full((2, 3), float("nan"), dtype=torch.float64, requires_grad=True)
-    loss, metrics = POLICY_LOSSES.get(method)(
+    loss, metrics = LOSS_FUNCTIONS[method](
         logprobs=logprobs,
         old_logprobs=torch.zeros(2, 3, dtype=torch.float64),
         advantages=torch.ones(2, 3, dtype=torch.float64),
@@ -420,7 +421,3 @@ def test_argument_validation():
     loss_int, _ = losses.grpo_loss(response_mask=response_mask.long(), **common)
     loss_bool, _ = losses.grpo_loss(response_mask=response_mask, **common)
     torch.testing.assert_close(loss_int, loss_bool)
-
-
-def test_registry_names():
-    assert {"grpo", "gspo"} <= set(POLICY_LOSSES.names())

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from pipeline.algorithms import d3s, pods
 from pipeline.algorithms.pods import pods_select
-from pipeline.algorithms.registry import SAMPLE_SELECTORS
 
 
 def population_var(values: list[float]) -> float:
@@ -150,7 +149,3 @@ def test_selected_reward_variance_is_maximal(raw, data):
     )
     best = max(population_var(list(c)) for c in itertools.combinations(raw, size))
     assert population_var(rewards[keep].tolist()) == pytest.approx(best, abs=1e-12)
-
-
-def test_registered():
-    assert SAMPLE_SELECTORS.get("pods") is pods_select

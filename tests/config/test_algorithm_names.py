@@ -2,7 +2,7 @@
 
 from typing import get_args, get_type_hints
 
-import pipeline.algorithms as algorithms
+from pipeline.rl import methods, sampling
 from pipeline.config import AlgorithmConfig, RewardConfig
 
 
@@ -15,10 +15,14 @@ def _allowed(field: str) -> set[str]:
 
 
 def test_literals_match_registries():
-    assert _allowed("advantage") == set(algorithms.ADVANTAGES.names())
-    assert _allowed("loss") == set(algorithms.POLICY_LOSSES.names())
-    assert _allowed("sample_selector") == {"none", *algorithms.SAMPLE_SELECTORS.names()}
-    assert _allowed("token_weights") == set(algorithms.TOKEN_WEIGHTS.names())
+    assert _allowed("advantage") == set(methods.ADVANTAGES.names())
+    assert _allowed("loss") == set(methods.POLICY_LOSSES.names())
+    assert _allowed("sample_selector") == set(methods.SAMPLE_SELECTORS.names())
+    assert _allowed("token_weights") == set(methods.TOKEN_WEIGHTS.names())
+    assert _allowed("temperature") == set(methods.TEMPERATURES.names())
+    assert _allowed("prompt_filter") == set(sampling.PROMPT_FILTERS.names())
+    assert _allowed("budget") == set(sampling.BUDGETS.names())
+    assert _allowed("sampling") == set(sampling.SAMPLERS.names())
 
 
 def test_reward_config_maps_onto_the_grading_pool():

@@ -78,8 +78,8 @@ def test_h100_rl_jobs(tmp_path, recipe, trainer_nodes, rollout_nodes, servers_pe
     assert 'export WINNOW_NODES="${nodes[*]}"' in sbatch and "export HF_HUB_OFFLINE=1" in sbatch
     # rollout nodes come after the trainer nodes and serve; the trainer nodes run torchrun
     assert f'if [ "${{SLURM_NODEID:-0}}" -ge {trainer_nodes} ]; then' in task
-    assert f"python -m pipeline.launch.task serve --campaign-dir {root} --stage rl-default" in task
-    torchrun = task.split("python -m torch.distributed.run ", 1)[1].split(" -m pipeline.launch.task worker")[0]
+    assert f"python -m pipeline.cli.task serve --campaign-dir {root} --stage rl-default" in task
+    torchrun = task.split("python -m torch.distributed.run ", 1)[1].split(" -m pipeline.cli.task worker")[0]
     expected = (f'--nnodes {trainer_nodes} --node-rank "${{SLURM_NODEID:-0}}" --master-addr "$WINNOW_HEAD_NODE" '
                 f"--master-port 29500 --nproc-per-node 8 --signals-to-handle {TORCHRUN_SIGNALS}")
     if trainer_nodes == 1:
@@ -171,12 +171,12 @@ def test_paths_that_nemo_run_would_rewrite_are_refused(tmp_path):
 def test_local_scripts(tmp_path):
     plan = cpu_campaign(output_dir=tmp_path, tiny=True)
     single = stage_script(plan, plan.stage("curate"), python="/venv/python", workdir="/repo")
-    assert single.splitlines()[-1] == f"exec /venv/python -m pipeline.launch.task node --campaign-dir {tmp_path} --stage curate"
+    assert single.splitlines()[-1] == f"exec /venv/python -m pipeline.cli.task node --campaign-dir {tmp_path} --stage curate"
     two = dataclasses.replace(plan.stage("rl-grpo"), resources=dataclasses.replace(
         plan.stage("rl-grpo").resources, ranks_per_node=2))
     text = stage_script(plan, two, python="/venv/python", workdir="/repo")
     assert (f"-- \\\n  /venv/python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2 "
-            f"--signals-to-handle {TORCHRUN_SIGNALS} -m pipeline.launch.task worker") in text
+            f"--signals-to-handle {TORCHRUN_SIGNALS} -m pipeline.cli.task worker") in text
 
 
 def test_following_slurm_jobs_reconciles_status(tmp_path):

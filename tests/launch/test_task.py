@@ -11,6 +11,7 @@ from pathlib import Path
 import fiddle as fdl
 import pytest
 
+from pipeline.cli.task import main as task_main
 from pipeline.launch import task
 from pipeline.launch.campaign import EXIT_REQUEUE, CampaignPlan, CampaignStatus, Resources, RolloutServers, Stage
 from recipes.campaigns import cpu_campaign, llama31_8b
@@ -27,7 +28,7 @@ def test_node_role_records_done(tmp_path, monkeypatch):
     _saved_plan(tmp_path)
     monkeypatch.setattr(task, "run_stage", lambda stage: "done")
     monkeypatch.setenv("SLURM_JOB_ID", "41")
-    assert task.main(["node", "--campaign-dir", str(tmp_path), "--stage", "curate"]) == 0
+    assert task_main(["node", "--campaign-dir", str(tmp_path), "--stage", "curate"]) == 0
     record = CampaignStatus(tmp_path).read()["curate"]
     assert (record["state"], record["job_id"], record["attempts"]) == ("done", "41", 1)
 
@@ -40,20 +41,20 @@ def test_node_role_records_failure_and_reraises(tmp_path, monkeypatch):
 
     monkeypatch.setattr(task, "run_stage", broken)
     with pytest.raises(ValueError):
-        task.main(["node", "--campaign-dir", str(tmp_path), "--stage", "curate"])
+        task_main(["node", "--campaign-dir", str(tmp_path), "--stage", "curate"])
     assert CampaignStatus(tmp_path).read()["curate"]["error"] == "ValueError: no prompts"
 
 
 def test_rl_stopped_before_its_last_step_exits_for_requeue(tmp_path, monkeypatch):
     _saved_plan(tmp_path)
     monkeypatch.setattr(task, "run_stage", lambda stage: "stopped")
-    assert task.main(["node", "--campaign-dir", str(tmp_path), "--stage", "rl-grpo"]) == EXIT_REQUEUE
+    assert task_main(["node", "--campaign-dir", str(tmp_path), "--stage", "rl-grpo"]) == EXIT_REQUEUE
     assert CampaignStatus(tmp_path).state("rl-grpo") == "pending"
 
 
 def test_node_role_runs_the_launcher_and_reports_its_failure(tmp_path):
     _saved_plan(tmp_path)
-    code = task.main(["node", "--campaign-dir", str(tmp_path), "--stage", "curate", "--",
+    code = task_main(["node", "--campaign-dir", str(tmp_path), "--stage", "curate", "--",
                       sys.executable, "-c", "raise SystemExit(3)"])
     assert code == 3
     assert CampaignStatus(tmp_path).read()["curate"]["error"] == "trainer exited with 3"
@@ -65,9 +66,9 @@ def test_rl_launcher_exit_is_judged_by_the_checkpoint(tmp_path):
     ckpt = Path(plan.stage("rl-grpo").config.checkpoint.directory)
     (ckpt / "step_00000001").mkdir(parents=True)
     args = ["node", "--campaign-dir", str(tmp_path), "--stage", "rl-grpo", "--", sys.executable, "-c", "pass"]
-    assert task.main(args) == EXIT_REQUEUE  # ranks exited 0 one step short: a signal stopped them
+    assert task_main(args) == EXIT_REQUEUE  # ranks exited 0 one step short: a signal stopped them
     (ckpt / f"step_{steps:08d}").mkdir()
-    assert task.main(args) == 0
+    assert task_main(args) == 0
     assert CampaignStatus(tmp_path).state("rl-grpo") == "done"
 
 

@@ -12,8 +12,10 @@ from pipeline import cli, configlib
 from pipeline.algorithms.e3 import e3_budget_bounds
 from pipeline.config import RLConfig
 from pipeline.data.sources import parse_spec
-from pipeline.rl.methods import build_methods
+from pipeline.rl.methods import D3S_SCHEDULE, build_methods
+from pipeline.rl.registry import MethodSetting
 from tests.recipes.test_cpu_recipes import _flat
+from pipeline.cli.presets import main as presets_main
 from recipes import papers
 from recipes.papers import MODELS, PAPER_PRESETS, build, write_yaml
 
@@ -123,13 +125,13 @@ def test_winnow_loads_a_written_preset(tmp_path, capsys):
 
 
 def test_script_lists_and_writes(tmp_path, capsys):
-    assert papers.main(["--list"]) == 0
+    assert presets_main(["--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in listed] == list(PAPER_PRESETS)
-    assert papers.main(["cw_grpo_r1_distill_qwen_1p5b", str(tmp_path / "cw.yaml")]) == 0
+    assert presets_main(["cw_grpo_r1_distill_qwen_1p5b", str(tmp_path / "cw.yaml")]) == 0
     assert "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" in capsys.readouterr().out
     assert configlib.load(RLConfig, yaml_path=tmp_path / "cw.yaml").algorithm.token_weights == ["cw_grpo"]
-    assert papers.main(["no_such_preset", str(tmp_path / "x.yaml")]) == 2
+    assert presets_main(["no_such_preset", str(tmp_path / "x.yaml")]) == 2
     assert "unknown paper preset 'no_such_preset'" in capsys.readouterr().err
 
 
@@ -145,6 +147,12 @@ def test_wrong_inputs_name_what_is_allowed():
 # ------------------------------------------------------------------ numbers against the paper tables
 
 
+def _methods(cfg):
+    """The methods the loop would build for a preset (on Qwen's vocabulary)."""
+    return build_methods(cfg.algorithm, MethodSetting(total_steps=cfg.steps, group_size=cfg.group_size,
+                                                      temperature=cfg.temperature, vocab_size=QWEN_VOCAB))
+
+
 @pytest.mark.parametrize(("model", "lr", "temperature", "top_p", "epochs"), [
     ("qwen25_math_7b", 5e-7, 1.0, 0.9, 1), ("qwen25_math_1p5b", 5e-7, 1.0, 0.9, 1),
     ("llama31_8b_instruct", 1e-8, 0.6, 0.9, 2), ("openmath2_llama31_8b", 2e-7, 0.7, 0.95, 2),
@@ -154,8 +162,7 @@ def test_d3s_tables_5_and_6(model, lr, temperature, top_p, epochs):
     assert (cfg.optim.lr, cfg.temperature, cfg.top_p) == (lr, temperature, top_p)  # Table 5
     assert cfg.steps == cfg.optim.total_steps == epochs * 630  # ⌈40,315 / 64⌉ steps per epoch
     assert cfg.group_size == 32 and (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (0.2, 0.2)  # Table 6
-    schedule = build_methods(cfg.algorithm, total_steps=cfg.steps, group_size=cfg.group_size, vocab_size=QWEN_VOCAB,
-                             temperature=cfg.temperature).d3s_schedule
+    schedule = _methods(cfg).shared[D3S_SCHEDULE].schedule
     assert schedule.value_at(0.0) == (8, 0.05) and schedule.value_at(1.0) == (32, 0.20)  # Table 6, Eq. 9
     assert build(f"grpo_n32_{model}").algorithm.aggregation == "seq_mean_token_mean"  # Eq. 1
 
@@ -163,8 +170,7 @@ def test_d3s_tables_5_and_6(model, lr, temperature, top_p, epochs):
 def test_d3s_variants_hold_or_schedule_as_section_4_1_says():
     def schedule(name):
         cfg = build(name)
-        return build_methods(cfg.algorithm, total_steps=cfg.steps, group_size=cfg.group_size,
-                             vocab_size=QWEN_VOCAB, temperature=cfg.temperature).d3s_schedule
+        return _methods(cfg).shared[D3S_SCHEDULE].schedule
 
     assert schedule("d1s_qwen25_math_7b").value_at(1.0) == (8, 0.05)  # no dynamic schedule
     assert schedule("d2s_qwen25_math_7b").value_at(1.0) == (8, 0.05)
@@ -190,9 +196,9 @@ def test_pods_keeps_d3s_initial_subset_size():
 
 def test_the_loop_gives_pods_its_subset_size():
     cfg = build("pods_qwen25_math_7b")
-    methods = build_methods(cfg.algorithm, total_steps=cfg.steps, group_size=cfg.group_size,
-                            vocab_size=QWEN_VOCAB, temperature=cfg.temperature)
-    assert methods.d3s_schedule is not None and methods.d3s_schedule.value_at(0.5)[0] == 8
+    methods = _methods(cfg)
+    assert methods.sample_selector.schedule is methods.shared[D3S_SCHEDULE]
+    assert methods.shared[D3S_SCHEDULE].schedule.value_at(0.5)[0] == 8
 
 
 def test_reinforce_ada_section_4_1():
@@ -217,8 +223,7 @@ def test_e3_section_5_1_and_budget_widening():
     assert (cfg.prompts_per_step, cfg.group_size, cfg.steps, cfg.max_new_tokens) == (64, 8, 480, 6144)
     assert cfg.optim.lr == 2e-6 and build("e3_r1_distill_qwen_1p5b").optim.lr == 5e-6
     assert (cfg.algorithm.e3.anneal_start_fraction, cfg.algorithm.e3.eta) == (0.6, 0.9)
-    temperature = build_methods(cfg.algorithm, total_steps=cfg.steps, group_size=cfg.group_size,
-                                vocab_size=QWEN_VOCAB, temperature=cfg.temperature).temperature
+    temperature = _methods(cfg).temperature.scheduler
     assert (temperature.anneal_start, temperature.max_steps) == (288, 480)  # ⌊0.6 · t_max⌋
     assert build("e3_ts_r1_distill_qwen_7b").algorithm.e3.anneal_start_fraction is None
     budget = cfg.algorithm.e3_budget

@@ -9,6 +9,7 @@ import torch
 
 from pipeline.config import AlgorithmConfig, RLConfig
 from pipeline.configlib import ConfigError
+from pipeline.rl.registry import MethodSetting, StepEnd
 from pipeline.rl.rollouts import RolloutBatch
 from pipeline.rl.sampling import (
     BUDGETS,
@@ -52,6 +53,16 @@ class FakeEngine:
                             completions, ["x"] * len(completions), torch.tensor(rewards))
 
 
+def _setting(*, group_size: int = 4, texts=(), stats=None, seed: int = 0) -> MethodSetting:
+    return MethodSetting(total_steps=10, group_size=group_size, temperature=1.0, texts=list(texts), stats=stats,
+                         seed=seed)
+
+
+def _end(pool: RolloutBatch, *, selected=None, question_logprobs=None, epoch_ended: bool = False) -> StepEnd:
+    return StepEnd(step=0, mean_entropy=1.0, epoch_ended=epoch_ended, pool=pool, selected=selected,
+                   question_logprobs=question_logprobs)
+
+
 def _no_draw(count: int) -> torch.Tensor:
     raise AssertionError("this sampler must not draw more prompts")
 
@@ -83,7 +94,7 @@ def test_rollout_batch_selection_and_merging_keep_prompt_major_order():
 
 def test_single_round_spends_the_budgets_once():
     engine = FakeEngine({0: [1], 1: [0]})
-    sampled = SingleRound(AlgorithmConfig(), group_size=4).sample(
+    sampled = SingleRound(AlgorithmConfig(), _setting(group_size=4))(
         torch.tensor([0, 1]), torch.tensor([4, 4]), generate=engine.generate, draw=_no_draw, seed=0)
     assert engine.calls == [([0, 1], [4, 4], 0)]
     assert sampled.pool is sampled.train is sampled.baseline
@@ -96,7 +107,7 @@ def test_ada_seq_balance_samples_until_both_outcomes_then_keeps_a_balanced_group
     # Prompt 0: 1 of 4 correct → needs rounds until 2 correct (8 samples: 2 correct, 6 wrong).
     # Prompt 1: alternating → exits after round 1. Prompt 2: never correct → capped at 12.
     engine = FakeEngine({0: [1, 0, 0, 0], 1: [1, 0], 2: [0]})
-    sampled = AdaSeq(cfg, group_size=4).sample(torch.tensor([0, 1, 2]), torch.tensor([4, 4, 4]),
+    sampled = AdaSeq(cfg, _setting(group_size=4))(torch.tensor([0, 1, 2]), torch.tensor([4, 4, 4]),
                                                generate=engine.generate, draw=_no_draw, seed=3)
     assert [call[0] for call in engine.calls] == [[0, 1, 2], [0, 2], [2]]
     assert [call[2] for call in engine.calls] == [0, 1, 2]
@@ -114,7 +125,7 @@ def test_ada_seq_pos_exits_on_correct_answers_only():
     cfg = AlgorithmConfig(sampling="ada_seq")
     cfg.ada_seq.exit_rule, cfg.ada_seq.k_pos, cfg.ada_seq.round_size, cfg.ada_seq.max_samples = "pos", 1, 2, 6
     engine = FakeEngine({0: [1], 1: [0, 0, 0, 1]})
-    sampled = AdaSeq(cfg, group_size=2).sample(torch.tensor([0, 1]), torch.tensor([2, 2]),
+    sampled = AdaSeq(cfg, _setting(group_size=2))(torch.tensor([0, 1]), torch.tensor([2, 2]),
                                                generate=engine.generate, draw=_no_draw, seed=0)
     assert sampled.pool.num_samples_per_prompt().tolist() == [2, 4]
 
@@ -124,7 +135,7 @@ def test_dynamic_sampling_draws_more_prompts_until_enough_groups_vary():
     cfg.dynamic.max_rounds = 5
     engine = FakeEngine({0: [1], 1: [1, 0], 2: [0], 3: [0, 1], 4: [1, 0], 5: [0]})
     stream = iter([torch.tensor([2]), torch.tensor([3, 4])])
-    sampled = DynamicSampling(cfg, group_size=2).sample(torch.tensor([0, 1, 5]), torch.tensor([2, 2, 2]),
+    sampled = DynamicSampling(cfg, _setting(group_size=2))(torch.tensor([0, 1, 5]), torch.tensor([2, 2, 2]),
                                                         generate=engine.generate, draw=lambda n: next(stream), seed=0)
     # Round 1: only prompt 1 varies → 2 more drawn; round 2: prompt 2 constant → 2 more; then 3 useful.
     assert [call[0] for call in engine.calls] == [[0, 1, 5], [2], [3, 4]]
@@ -138,7 +149,7 @@ def test_dynamic_sampling_with_nothing_useful_trains_on_the_first_round():
     cfg = AlgorithmConfig(sampling="dynamic")
     cfg.dynamic.max_rounds = 1
     engine = FakeEngine({0: [1], 1: [0]})
-    sampled = DynamicSampling(cfg, group_size=2).sample(torch.tensor([0, 1]), torch.tensor([2, 2]),
+    sampled = DynamicSampling(cfg, _setting(group_size=2))(torch.tensor([0, 1]), torch.tensor([2, 2]),
                                                         generate=engine.generate, draw=_no_draw, seed=0)
     assert sampled.train.prompt_indices.tolist() == [0, 1]
     assert sampled.metrics["dapo/useful_groups"] == 0.0
@@ -149,7 +160,7 @@ def _store(num_prompts: int, *, decay: float = 0.9) -> PromptStatsStore:
 
 
 def test_uniform_budget_gives_every_prompt_g():
-    budgets, _ = UniformBudget(AlgorithmConfig(), group_size=6, stats=_store(3)).allocate(torch.tensor([2, 0]))
+    budgets, _ = UniformBudget(AlgorithmConfig(), _setting(group_size=6, stats=_store(3)))(torch.tensor([2, 0]))
     assert budgets.tolist() == [6, 6]
 
 
@@ -160,19 +171,19 @@ def test_e3_budget_is_uniform_in_the_first_pass_then_favours_hard_prompts():
     # p0 always solved, p3 never: ranks by average reward.
     stats.record_rollouts(prompt_ids=torch.arange(4), num_samples=torch.full((4,), 4),
                           num_correct=torch.tensor([4, 3, 1, 0]), reward_sum=torch.tensor([4.0, 3.0, 1.0, 0.0]), step=0)
-    budget = E3Budget(cfg, group_size=4, stats=stats)
-    first, metrics = budget.allocate(torch.arange(4))
+    budget = E3Budget(cfg, _setting(group_size=4, stats=stats))
+    first, metrics = budget(torch.arange(4))
     assert first.tolist() == [4, 4, 4, 4] and metrics["e3/g_max"] == 4.0
-    budget.end_pass()
+    budget.update(_end(None, epoch_ended=True))  # only the pass counter is read
     assert budget.state_dict() == {"num_completed_passes": 1}
-    second, metrics = budget.allocate(torch.arange(4))
+    second, metrics = budget(torch.arange(4))
     assert (metrics["e3/g_min"], metrics["e3/g_max"]) == (2.0, 6.0)
     assert int(second.sum()) == 16
     assert second.tolist() == sorted(second.tolist())  # harder prompt, larger budget
     assert stats.column("e3_rank").tolist() == [0.25, 0.5, 0.75, 1.0]
-    restored = E3Budget(cfg, group_size=4, stats=stats)
+    restored = E3Budget(cfg, _setting(group_size=4, stats=stats))
     restored.load_state_dict(budget.state_dict())
-    assert torch.equal(restored.allocate(torch.arange(4))[0], second)
+    assert torch.equal(restored(torch.arange(4))[0], second)
 
 
 def test_ada_est_budget_follows_the_ema_pass_rate_and_uses_curation_as_a_prior():
@@ -181,10 +192,10 @@ def test_ada_est_budget_follows_the_ema_pass_rate_and_uses_curation_as_a_prior()
     stats = _store(3, decay=cfg.ada_est.ema_decay)
     stats.seed_from_curation(prompt_ids=["p0", "p1"], pass_rates=torch.tensor([0.9, 0.1], dtype=torch.float64),
                              num_samples=torch.tensor([10, 10]))
-    budget = AdaEstBudget(cfg, group_size=4, stats=stats)
+    budget = AdaEstBudget(cfg, _setting(group_size=4, stats=stats))
     # Hand-computed: p̂ = (c + α)/(n + α + β) with α = β = 1: (9+1)/12, (1+1)/12, (0+1)/2.
     assert budget.pass_rates(torch.arange(3)).tolist() == pytest.approx([10 / 12, 2 / 12, 0.5])
-    budgets, _ = budget.allocate(torch.arange(3))
+    budgets, _ = budget(torch.arange(3))
     # N ∝ 1/√p̂ = (1.095, 2.449, 1.414) scaled to 12: (2.65, 5.93, 3.42); largest remainders round
     # prompts 1 and 0 up: (3, 6, 3).
     assert budgets.tolist() == [3, 6, 3]
@@ -199,15 +210,15 @@ def test_depo_filter_keeps_everything_in_warmup_then_drops_confident_zero_varian
     cfg.depo.warmup_steps, cfg.depo.threshold = 1, 0.5
     texts = [f"What is {i} + {i}?" for i in range(6)]
     stats = _store(6)
-    depo = DepoFilter(cfg, texts=texts, stats=stats, seed=0)
-    selected, metrics = depo.select(torch.arange(6), batch_size=6, step=0, group_size=4)
+    depo = DepoFilter(cfg, _setting(group_size=4, texts=texts, stats=stats))
+    selected, metrics = depo(torch.arange(6), batch_size=6, step=0)
     assert selected.indices.tolist() == list(range(6)) and selected.dropped.numel() == 0
     assert metrics["depo/filter_active"] == 0.0
     assert not torch.isnan(stats.column("estimator_prediction")).any()
     # Force confident predictions: p̂ ≈ 1 for even prompts (always solved: zero variance), 0.5 for odd.
     depo.trainer.model.predict_pass_rate = lambda batch: torch.tensor(
         [0.999 if int(t.split()[2]) % 2 == 0 else 0.5 for t in batch])
-    selected, metrics = depo.select(torch.arange(6), batch_size=6, step=1, group_size=4)
+    selected, metrics = depo(torch.arange(6), batch_size=6, step=1)
     assert selected.indices.tolist() == [1, 3, 5]
     assert selected.dropped.tolist() == [0, 2, 4]
     assert metrics["depo/filter_ratio"] == 0.5
@@ -216,22 +227,22 @@ def test_depo_filter_keeps_everything_in_warmup_then_drops_confident_zero_varian
 def test_depo_filter_never_leaves_fewer_than_two_prompts():
     cfg = AlgorithmConfig(prompt_filter="depo")
     cfg.depo.warmup_steps, cfg.depo.threshold = 0, 0.01
-    depo = DepoFilter(cfg, texts=["a", "bb", "ccc"], stats=_store(3), seed=0)
+    depo = DepoFilter(cfg, _setting(group_size=8, texts=["a", "bb", "ccc"], stats=_store(3)))
     depo.trainer.model.predict_pass_rate = lambda batch: torch.tensor([0.99, 0.9, 0.999])
-    selected, _ = depo.select(torch.arange(3), batch_size=3, step=5, group_size=8)
+    selected, _ = depo(torch.arange(3), batch_size=3, step=5)
     assert sorted(selected.indices.tolist()) == [0, 1]  # the two least likely to be all-equal
 
 
 def test_depo_filter_learns_online_and_round_trips_its_state():
     cfg = AlgorithmConfig(prompt_filter="depo")
     texts = ["easy one", "hard one", "medium one"]
-    first = build_sampling(cfg, group_size=2, texts=texts, stats=_store(3), seed=4)
-    second = build_sampling(cfg, group_size=2, texts=texts, stats=_store(3), seed=4)
+    first = build_sampling(cfg, _setting(group_size=2, texts=texts, stats=_store(3), seed=4))
+    second = build_sampling(cfg, _setting(group_size=2, texts=texts, stats=_store(3), seed=4))
     engine = FakeEngine({0: [1], 1: [0], 2: [1, 0]})
     rollouts = engine.generate(torch.arange(3), torch.tensor([2, 2, 2]), 0)
-    selected, _ = first.prompt_filter.select(torch.arange(3), batch_size=3, step=0, group_size=2)
-    metrics = first.prompt_filter.observe(rollouts, question_logprobs=torch.tensor([-1.0, -2.0, -1.5]),
-                                          selected=selected)
+    selected, _ = first.prompt_filter(torch.arange(3), batch_size=3, step=0)
+    metrics = first.prompt_filter.update(_end(rollouts, selected=selected,
+                                              question_logprobs=torch.tensor([-1.0, -2.0, -1.5])))
     assert metrics["estimator/num_updates"] == 1.0 and "depo/loss_distill" in metrics
     state, tensors = first.state()
     assert tensors and all(name.startswith("filter.") for name in tensors)
@@ -242,8 +253,8 @@ def test_depo_filter_learns_online_and_round_trips_its_state():
 
 
 def test_no_filter_is_the_identity():
-    selected, metrics = NoFilter(AlgorithmConfig(), texts=[], stats=_store(1), seed=0).select(
-        torch.tensor([3, 1, 2]), batch_size=2, step=0, group_size=4)
+    selected, metrics = NoFilter(AlgorithmConfig(), _setting(stats=_store(1)))(
+        torch.tensor([3, 1, 2]), batch_size=2, step=0)
     assert selected.indices.tolist() == [3, 1] and metrics == {}
 
 
@@ -265,13 +276,3 @@ def test_budget_bounds_must_contain_the_group_size():
         configlib.from_dict(RLConfig, {"group_size": 8, "algorithm": {"budget": "e3",
                                                                       "e3_budget": {"min_limit": 2, "max_limit": 6}}})
     assert math.isfinite(configlib.from_dict(RLConfig, {"group_size": 4, "algorithm": {"budget": "e3"}}).group_size)
-
-
-def test_rl_refuses_an_unconverted_hugging_face_policy(tmp_path):
-    from pipeline.rl.setup import initial_policy
-
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.safetensors").write_bytes(b"")
-    cfg = RLConfig(policy=str(tmp_path))
-    with pytest.raises(ValueError, match="winnow convert hf-to-megatron"):
-        initial_policy(cfg, context=None)

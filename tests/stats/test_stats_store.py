@@ -14,10 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from pipeline.algorithms.e3 import RankTracker
-from pipeline.algorithms.reinforce_ada import PassRateEstimator
 from pipeline.errors import UserError
 from pipeline.stats import COLUMNS, PromptStatsStore, StatsError
+from tests.oracles.estimators import PassRateEstimator, RankTracker
 
 # ---------------------------------------------------------------------------
 # helpers and the loop reference

@@ -218,6 +218,7 @@ def test_non_finite_gradient_of_a_finite_loss_skips_the_step():
 
 
 def _direction_worker(rank, world_size):
+    from pipeline.algorithms.losses import grpo_loss
     from pipeline.trainer.losses import PolicyLoss
 
     actor = _actor(1, 1, micro_batch_tokens=10_000, lr=1e-3)
@@ -226,7 +227,7 @@ def _direction_worker(rank, world_size):
     sign = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])[:, None]  # (B, 1)
     batch.advantages = sign * batch.response_mask
     batch.old_logprobs = before
-    actor.train_step(batch, PolicyLoss("grpo"))
+    actor.train_step(batch, PolicyLoss(grpo_loss))
     after = actor.compute_logprobs(batch)
     change = ((after - before) * batch.response_mask).sum(dim=1) / batch.response_mask.sum(dim=1)  # (B,)
     return change

@@ -246,7 +246,7 @@ def write_prompt_stream(cfg, *, tokenizer, hf_dir: Path, path: Path) -> int:
     from transformers import AutoTokenizer
 
     from pipeline.data import load_prompts, render_prompt
-    from pipeline.models.tokenizer import prompt_token_ids
+    from pipeline.data.templates import prompt_token_ids
     from pipeline.rl.stream import PromptStream
 
     prompts = []

@@ -11,7 +11,8 @@ def _demo_worker(rank, world_size, tmp):
     from pipeline import configlib
     from pipeline.config import DemoConfig
     from pipeline.parallel.context import ParallelContext
-    from pipeline.stages.demo import run_demo
+    from pipeline.launch.demo import run_demo
+    from recipes.campaigns import demo_campaign
 
     cfg = configlib.load(DemoConfig, overrides=[
         f"output_dir={tmp}/demo", "tiny=true", "steps=2", 'benchmarks=["arith?difficulty=3&size=40", "gsm8k"]',
@@ -19,9 +20,9 @@ def _demo_worker(rank, world_size, tmp):
     ])
     context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=0)
     first: list[str] = []
-    result = run_demo(cfg, context=context, out=first.append)
+    result = run_demo(cfg, plan=demo_campaign(cfg), context=context, out=first.append)
     again: list[str] = []
-    run_demo(cfg, context=context, out=again.append)  # everything done: only the report
+    run_demo(cfg, plan=demo_campaign(cfg), context=context, out=again.append)  # everything done: only the report
     return result, first, again
 
 

@@ -1,6 +1,7 @@
 """`winnow demo`: the whole campaign on a CPU, then a results table.
 
-The campaign is ``recipes.campaigns.cpu_campaign`` run in this process
+The campaign is ``recipes.campaigns.demo_campaign`` (``cpu_campaign`` with the demo's
+evaluation settings), built by the CLI and run in this process
 (``pipeline.launch.campaign.run_campaign_inprocess``), the same plan that
 ``winnow launch campaign --recipe cpu`` runs as separate jobs:
 
@@ -20,7 +21,6 @@ Stages already done are skipped on a rerun, so a second ``winnow demo`` only pri
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -31,26 +31,13 @@ from pipeline.config import DemoConfig
 VARIANTS = ("grpo", "default")  # baseline first: the table's differences are default − grpo
 
 
-def build_plan(cfg: DemoConfig):
-    from recipes.campaigns import cpu_campaign
-
-    plan = cpu_campaign(output_dir=cfg.output_dir, tiny=cfg.tiny, steps=cfg.steps)
-    overrides = []
-    for variant in VARIANTS:
-        overrides += [f"evaluate-{variant}.eval.benchmarks={json.dumps(cfg.benchmarks)}",
-                      f"evaluate-{variant}.eval.limit={cfg.eval_limit}",
-                      f"evaluate-{variant}.eval.num_samples={cfg.eval_samples}",
-                      f"evaluate-{variant}.eval.ks={json.dumps(cfg.ks)}"]
-    return plan.with_overrides(overrides)
-
-
-def run_demo(cfg: DemoConfig, *, context=None, out=print) -> dict:
+def run_demo(cfg: DemoConfig, *, plan, context=None, out=print) -> dict:
+    """Run ``plan`` (``recipes.campaigns.demo_campaign(cfg)``) in this process, then print the table."""
     from pipeline.eval.plots import plot_comparison
     from pipeline.eval.report import compare, format_comparison, load_results
     from pipeline.launch.campaign import run_campaign_inprocess
 
     started = time.perf_counter()
-    plan = build_plan(cfg)
     out(f"campaign {plan.name}: {' → '.join(stage.name for stage in plan.order())}")
     result = run_campaign_inprocess(plan, context=context, out=out)
     if not result.ok:

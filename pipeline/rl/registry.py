@@ -1,0 +1,118 @@
+"""The one shape of every RL method the loop can name, and the registries that hold them.
+
+A *method* is whatever fills one slot of the loop: an advantage, a sample selector, a
+token weighting, a policy loss, a sampling temperature, a prompt filter, a rollout budget
+or a sampler. Each registry entry is a factory ``entry(cfg, setting) -> Method``, built
+once from its own section of ``AlgorithmConfig`` and the run's ``MethodSetting``, and
+every method answers the same four calls:
+
+``__call__(**inputs)``     the step's decision (its inputs depend on the slot; the
+                           docstring of each registry in ``methods.py``/``sampling.py``
+                           states them);
+``update(end) -> metrics`` the end-of-step hook: every method sees the step's outcome
+                           (``StepEnd``) once, after the update, and advances whatever
+                           schedule or estimate it keeps;
+``state_dict()`` / ``load_state_dict(state)``  what a checkpoint must hold for an exact
+                           resume (JSON-serialisable; ``{}`` for a stateless method).
+
+The pure arithmetic stays in ``pipeline.algorithms``: methods bind options and keep state,
+nothing else. The loop never tests a method's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from pipeline.config import AlgorithmConfig
+    from pipeline.rl.rollouts import RolloutBatch
+    from pipeline.stats.store import PromptStatsStore
+
+Metrics = dict[str, float]
+
+
+@dataclass(slots=True)
+class MethodSetting:
+    """What a method may know about the run beyond its own config section."""
+
+    total_steps: int
+    group_size: int
+    temperature: float  # the configured sampling temperature (τ₀)
+    vocab_size: int = 0
+    max_new_tokens: int = 0
+    texts: list[str] = field(default_factory=list)  # every training prompt's problem text, by dataset index
+    stats: PromptStatsStore | None = None
+    seed: int = 0
+    # Objects several methods share (D³S's N_s/K schedule drives both sample and token
+    # selection): built once per run by ``shared`` and checkpointed once under their name.
+    shared_components: dict[str, Any] = field(default_factory=dict)
+
+    def shared(self, name: str, build: Callable[[], Any]) -> Any:
+        if name not in self.shared_components:
+            self.shared_components[name] = build()
+        return self.shared_components[name]
+
+
+@dataclass(slots=True)
+class StepEnd:
+    """The outcome of one step, handed to every method's ``update``."""
+
+    step: int  # the step that just finished (0-based)
+    mean_entropy: float  # of the policy on the trained samples
+    epoch_ended: bool  # the prompt stream completed a pass over the data during this step
+    pool: RolloutBatch  # every graded sample of the step
+    selected: Any  # the filter's ``SelectedPrompts``
+    question_logprobs: torch.Tensor | None  # (P,) when a method asked for them (``needs_question_logprobs``)
+
+
+class Method:
+    """Base of every registry entry: stateless and update-free unless a subclass says otherwise."""
+
+    needs_token_stats = False  # needs the actor's log-probs and entropies before the update
+    needs_question_logprobs = False  # needs the actor's mean log-prob of each prompt's question in ``StepEnd``
+
+    def update(self, end: StepEnd) -> Metrics:  # noqa: ARG002 - the default method keeps nothing
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: ARG002
+        return None
+
+
+Factory = Callable[["AlgorithmConfig", MethodSetting], Method]
+
+
+class Registry:
+    """A named table of method factories; an unknown name fails with the allowed ones listed."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, Factory] = {}
+
+    def add(self, name: str, factory: Factory) -> Factory:
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._entries[name] = factory
+        return factory
+
+    def register(self, name: str) -> Callable[[Factory], Factory]:
+        return lambda factory: self.add(name, factory)
+
+    def build(self, name: str, cfg: AlgorithmConfig, setting: MethodSetting) -> Method:
+        try:
+            factory = self._entries[name]
+        except KeyError:
+            raise ValueError(f"unknown {self.kind} {name!r}; choose one of {sorted(self._entries)}") from None
+        return factory(cfg, setting)
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries

@@ -1,0 +1,128 @@
+"""The pieces of one RL step that the loop (``pipeline/stages/rl.py``) calls by name.
+
+Generation and grading on global rank 0 with the result broadcast to every rank, the
+actor's question log-probs for DEPO, the held-out score, the statistics store's
+bookkeeping, the per-step metrics row, and the end of a run. None of them names a method.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from pipeline.eval.runner import sample_and_grade, score
+from pipeline.parallel.rendezvous import broadcast_from_rank0
+from pipeline.rl.rollouts import RolloutBatch
+from pipeline.rl.setup import Run
+from pipeline.rollout.types import GenerationRequest, SamplingParams
+from pipeline.trainer.batch import TrainBatch
+
+
+class PhaseTimer:
+    """Wall seconds per phase of a step (``time/<phase>`` in the metrics)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] += time.perf_counter() - start
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % 2**31
+
+
+def generate_and_grade(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *, temperature: float,
+                       seed: int) -> RolloutBatch:
+    """Rank 0 generates and grades; every rank receives the same graded samples."""
+    payload = None
+    if run.engine is not None:
+        # Request ids carry the position: a step may draw one prompt twice (epoch wrap, DAPO top-ups).
+        requests = [GenerationRequest(prompt_id=f"{run.prompts[i].id}#{g}", prompt_token_ids=run.prompt_token_ids[i],
+                                      num_samples=int(n))
+                    for g, (i, n) in enumerate(zip(indices.tolist(), budgets.tolist()))]
+        params = SamplingParams(max_new_tokens=run.cfg.max_new_tokens, temperature=temperature,
+                                top_p=run.cfg.top_p, seed=seed)
+        completions = run.engine.generate(requests, params)
+        texts = [run.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in completions]
+        position = {request.prompt_id: g for g, request in enumerate(requests)}
+        group_ids = torch.tensor([position[c.prompt_id] for c in completions], dtype=torch.long)  # (S,)
+        graded_prompts = [run.prompts[int(indices[g])] for g in group_ids]
+        grades = run.pool.grade_batch([(t, p.answer, p.problem) for t, p in zip(texts, graded_prompts)])
+        rewards = torch.tensor([g.score for g in grades], dtype=torch.float32)  # (S,)
+        payload = (group_ids, completions, texts, rewards)
+    group_ids, completions, texts, rewards = broadcast_from_rank0(payload, world_size=run.context.world_size)
+    return RolloutBatch(indices, [run.prompt_token_ids[i] for i in indices.tolist()], group_ids, completions,
+                        texts, rewards)
+
+
+def question_logprobs(run: Run, rollouts: RolloutBatch) -> torch.Tensor:
+    """(P,) the actor's mean log-prob of each prompt's question tokens: DEPO's perplexity target."""
+    prompts = rollouts.prompt_token_ids
+    tokens = torch.full((len(prompts), max(len(ids) for ids in prompts)), run.tokenizer.pad_token_id)  # (P, T)
+    mask = torch.zeros(tokens.shape, dtype=torch.bool)  # (P, T): every question token with a prefix
+    for row, ids in enumerate(prompts):
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        mask[row, 1 : len(ids)] = True
+    logprobs = run.actor.compute_logprobs(TrainBatch(tokens=tokens, response_mask=mask))  # (P, T)
+    return logprobs.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+
+
+def evaluate(run: Run, *, temperature: float) -> dict[str, float]:
+    """Sampled pass@1 on the held-out set (rank 0, which drives the engine; {} elsewhere)."""
+    if run.engine is None:
+        return {}
+    results = sample_and_grade(engine=run.engine, tokenizer=run.tokenizer, prompts=run.eval_prompts,
+                               num_samples=run.cfg.eval_samples, pool=run.pool, template=run.cfg.data.template,
+                               params=SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
+                                                     temperature=temperature, seed=run.cfg.seed))
+    return {f"eval/{k}": v for k, v in score(results, [1]).items()}
+
+
+def record_statistics(run: Run, *, pool: RolloutBatch, filtered: torch.Tensor, step: int) -> None:
+    """Every sampled prompt's counts, and the filtered ones with zero samples (their EMA decays)."""
+    zeros = torch.zeros(filtered.numel(), dtype=torch.int64)
+    run.stats.record_rollouts(
+        prompt_ids=torch.cat([pool.prompt_indices, filtered]),
+        num_samples=torch.cat([pool.num_samples_per_prompt(), zeros]),
+        num_correct=torch.cat([pool.num_correct_per_prompt(), zeros]),
+        reward_sum=torch.cat([pool.reward_sum_per_prompt(), zeros.double()]), step=step)
+
+
+def step_metrics(*, pool: RolloutBatch, update, temperature: float, mean_entropy: float, tokens: int,
+                 gradient_tokens: int, zero_variance: int, num_filtered: int, num_candidates: int,
+                 mismatch: dict[str, Any], method_metrics: dict[str, Any], ledger: dict[str, int],
+                 seconds: dict[str, float]) -> dict[str, float]:
+    """One row of ``metrics.jsonl``: the step's rewards, update, budgets, methods, ledger and phase times."""
+    budget_counts = pool.num_samples_per_prompt().double()
+    return {
+        "reward_mean": float(pool.rewards.mean()), "pass_rate": float((pool.rewards > 0).float().mean()),
+        "entropy": mean_entropy, "temperature": temperature, "loss": update.loss, "grad_norm": update.grad_norm,
+        "skipped_step": update.skipped, "lr": update.learning_rate,
+        "usefulness": 1.0 - zero_variance / pool.num_prompts, "kept_token_ratio": gradient_tokens / max(tokens, 1),
+        "filter_ratio": num_filtered / max(num_candidates, 1),
+        "budget/samples_per_prompt_mean": float(budget_counts.mean()),
+        "budget/samples_per_prompt_max": float(budget_counts.max()),
+        **{f"mismatch/{k}": float(mismatch[f"{k}_diff"]) for k in ("mean_abs", "max_abs") if mismatch},
+        **{f"update/{k}": v for k, v in update.metrics.items()},
+        **{k: float(v) for k, v in method_metrics.items()},
+        **{f"ledger/{k}": v for k, v in ledger.items()},
+        **{f"time/{k}": v for k, v in seconds.items()},
+    }
+
+
+def finish(run: Run) -> None:
+    from pipeline.rl.plots import plot_run
+
+    run.pool.close()
+    if run.writer is not None:
+        run.writer.close()
+        run.stats.to_parquet(run.output_dir / "stats.parquet")
+        plot_run(run.output_dir / "metrics.jsonl", run.output_dir / "plots")

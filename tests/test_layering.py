@@ -1,0 +1,226 @@
+"""The package's floors, checked on the source (an AST walk; nothing is imported).
+
+winnow is built in floors, each importing only from its own floor and the ones below:
+
+    errors, io → config → algorithms → parallel → models → checkpoint
+    → data, rewards, stats, trainer, rollout, eval, estimator, rl → stages → launch → cli
+
+Every import counts, including the ones made inside functions to keep ``winnow --help``
+fast (only ``if TYPE_CHECKING:`` blocks are exempt: they never run). On top of the floor
+order: no import cycles among ``pipeline`` modules; ``torch.distributed`` and megatron's
+``parallel_state`` only under ``parallel/``, ``trainer/`` and the conversion gate;
+``argparse`` only under ``cli/`` and ``tools/``; ``recipes`` only from the CLI and tools;
+renames that publish a file (``os.replace``/``os.rename``/``Path.rename``) only in ``io`` and
+the checkpoint manager, so every durable write goes through one implementation.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Top-level name under ``pipeline`` → its floor (0 is the bottom).
+FLOORS: dict[str, int] = {
+    "errors": 0, "io": 0,
+    "configlib": 1, "config": 1, "configdocs": 1, "metrics": 1,
+    "algorithms": 2,
+    "parallel": 3,
+    "models": 4,
+    "checkpoint": 5,
+    "data": 6, "rewards": 6, "stats": 6, "trainer": 6, "rollout": 6, "eval": 6, "estimator": 6, "rl": 6,
+    "stages": 7,
+    "launch": 8,
+    "cli": 9,
+}
+LIBRARY_CEILING = FLOORS["rl"]  # everything at or below this floor is the library
+DISTRIBUTED_MODULES = ("torch.distributed", "megatron.core.parallel_state")
+# The distributed-checkpoint *file format* (megatron's dist_checkpointing reads and writes it)
+# is no collective: the checkpoint floor may name its exceptions and readers.
+FILE_FORMAT_MODULES = ("torch.distributed.checkpoint",)
+DISTRIBUTED_ALLOWED = ("pipeline/parallel/", "pipeline/trainer/", "pipeline/checkpoint/gate.py")
+PUBLISHING_RENAMES_ALLOWED = ("pipeline/io.py", "pipeline/checkpoint/manager.py")
+
+
+def _python_files(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (REPO / folder).rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node except those inside ``if TYPE_CHECKING:`` blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(child for child in ast.iter_child_nodes(node) if not _is_type_checking_block(child))
+
+
+def _imports(path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """(imported module, line) for every runtime import; ``from pkg import sub`` resolves to ``pkg.sub``."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.append((candidate if candidate in known else base, node.lineno))
+    return found
+
+
+def _floor(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "pipeline" or len(parts) < 2:
+        return None
+    return FLOORS.get(parts[1])
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, dict]:
+    files = _python_files("pipeline", "recipes", "tools")
+    known = {_module_name(p) for p in files}
+    return {_module_name(p): {"path": p, "imports": _imports(p, known)} for p in files}
+
+
+def test_every_pipeline_package_has_a_floor(graph):
+    unplaced = sorted({name.split(".")[1] for name in graph if name.startswith("pipeline.")
+                       and len(name.split(".")) > 1 and name.split(".")[1] not in FLOORS})
+    assert not unplaced, f"give these a floor in FLOORS: {unplaced}"
+
+
+def test_imports_only_go_down_the_floors(graph):
+    violations = []
+    for name, node in graph.items():
+        own = _floor(name)
+        if own is None:
+            continue
+        for target, line in node["imports"]:
+            target_floor = _floor(target)
+            if target_floor is not None and target_floor > own:
+                violations.append(f"{node['path'].relative_to(REPO)}:{line} imports {target} (floor {target_floor} > {own})")
+            if target.split(".")[0] == "recipes" and not name.startswith("pipeline.cli"):
+                violations.append(f"{node['path'].relative_to(REPO)}:{line} imports {target}: recipes are for the CLI")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_library_never_imports_stages_launch_cli_or_recipes(graph):
+    upper = ("pipeline.stages", "pipeline.launch", "pipeline.cli", "recipes")
+    violations = [f"{node['path'].relative_to(REPO)}:{line} imports {target}"
+                  for name, node in graph.items() if (_floor(name) or 99) <= LIBRARY_CEILING
+                  for target, line in node["imports"] if target == "recipes" or target.startswith(upper)]
+    assert not violations, "\n".join(violations)
+
+
+def test_no_import_cycles(graph):
+    edges = {name: {target for target, _ in node["imports"] if target in graph and target != name}
+             for name, node in graph.items() if name.startswith("pipeline")}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(start: str) -> None:  # Tarjan's strongly connected components, iteratively
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+
+    for name in sorted(edges):
+        if name not in index:
+            visit(name)
+    assert not cycles, "import cycles: " + "; ".join(" ↔ ".join(cycle) for cycle in cycles)
+
+
+def test_distributed_apis_stay_in_parallel_trainer_and_the_gate(graph):
+    violations = [f"{node['path'].relative_to(REPO)}:{line} imports {target}"
+                  for name, node in graph.items() if name.startswith("pipeline")
+                  and not str(node["path"].relative_to(REPO)).startswith(DISTRIBUTED_ALLOWED)
+                  for target, line in node["imports"]
+                  if target.startswith(DISTRIBUTED_MODULES) and not target.startswith(FILE_FORMAT_MODULES)
+                  or target == "megatron.core" and "parallel_state" in node["path"].read_text().splitlines()[line - 1]]
+    assert not violations, "\n".join(violations)
+
+
+def test_argparse_only_in_the_cli_and_tools(graph):
+    violations = [f"{node['path'].relative_to(REPO)}:{line}" for name, node in graph.items()
+                  if not name.startswith(("pipeline.cli", "tools"))
+                  for target, line in node["imports"] if target == "argparse"]
+    assert not violations, "argparse outside pipeline/cli and tools/: " + ", ".join(violations)
+
+
+def test_publishing_renames_only_in_io_and_the_checkpoint_manager():
+    violations = []
+    for path in _python_files("pipeline"):
+        relative = str(path.relative_to(REPO))
+        if relative in PUBLISHING_RENAMES_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            called = ast.unparse(node.func)
+            if called in ("os.replace", "os.rename") or (node.func.attr == "rename" and not called.startswith("os.")):
+                violations.append(f"{relative}:{node.lineno} {called}(...)")
+    assert not violations, "use pipeline.io's writers: " + ", ".join(violations)
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    """The walker itself: a function-level upward import is found, a TYPE_CHECKING one is not."""
+    source = tmp_path / "pipeline" / "rewards" / "sample.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pipeline.cli\n"
+                      "def f():\n    from pipeline.stages import rl\n")
+    global REPO
+    saved, REPO = REPO, tmp_path
+    try:
+        imports = _imports(source, {"pipeline.stages.rl"})
+    finally:
+        REPO = saved
+    assert [found for found in imports if found[0].startswith("pipeline")] == [("pipeline.stages.rl", 5)]
+    assert _floor("pipeline.stages.rl") > _floor("pipeline.rewards.sample")
