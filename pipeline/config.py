@@ -579,3 +579,15 @@ class TrainEstimatorConfig:
     def __post_init__(self) -> None:
         if self.encoder == "minilm" and self.max_length > 512:
             raise ConfigError(f"max_length: MiniLM has 512 positions, got {self.max_length}")
+
+
+# Every stage's config by the stage's name: the `winnow` command that runs it alone and the
+# campaign stage kind that runs it in a plan (``pipeline/launch/campaign.py`` adds ``export``,
+# whose options are ``winnow convert``'s flags; the CLI adds its non-stage commands).
+STAGE_CONFIGS: dict[str, type] = {
+    "bootstrap": BootstrapConfig,
+    "curate": CurateConfig,
+    "train-estimator": TrainEstimatorConfig,
+    "rl": RLConfig,
+    "evaluate": EvaluateConfig,
+}

@@ -16,26 +16,17 @@ from dataclasses import dataclass
 
 from pipeline import configlib
 from pipeline.config import (
+    STAGE_CONFIGS,
     BootstrapConfig,
-    CurateConfig,
     DataInspectConfig,
     DemoConfig,
-    EvaluateConfig,
     RLConfig,
-    TrainEstimatorConfig,
 )
 from pipeline.errors import EXIT_USER_ERROR, UserError
 
-# Stage name → its config dataclass (used by `winnow config show|docs`).
-STAGE_CONFIGS: dict[str, type] = {
-    "bootstrap": BootstrapConfig,
-    "curate": CurateConfig,
-    "data-inspect": DataInspectConfig,
-    "demo": DemoConfig,
-    "evaluate": EvaluateConfig,
-    "rl": RLConfig,
-    "train-estimator": TrainEstimatorConfig,
-}
+# Every command whose options are a config dataclass (`winnow config show|docs`).
+COMMAND_CONFIGS: dict[str, type] = dict(sorted({**STAGE_CONFIGS, "data-inspect": DataInspectConfig,
+                                                "demo": DemoConfig}.items()))
 
 # megatron-core warns at import that it falls back from Apex/Transformer Engine to torch
 # kernels (on CPU that is the expected configuration), and its checkpoint code calls torch
@@ -122,12 +113,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- config tools
 def _config_show_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("stage", choices=sorted(STAGE_CONFIGS), help="the stage whose config to print")
+    parser.add_argument("stage", choices=sorted(COMMAND_CONFIGS), help="the command whose config to print")
     _add_config_arguments(parser)
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    cfg = configlib.load(STAGE_CONFIGS[args.stage], yaml_path=args.config, overrides=args.overrides)
+    cfg = configlib.load(COMMAND_CONFIGS[args.stage], yaml_path=args.config, overrides=args.overrides)
     print(configlib.dump_yaml(cfg), end="")
     return 0
 
@@ -139,7 +130,7 @@ def _config_docs_arguments(parser: argparse.ArgumentParser) -> None:
 def _config_docs(args: argparse.Namespace) -> int:
     from pipeline.configdocs import render_configuration_markdown
 
-    text = render_configuration_markdown(STAGE_CONFIGS)
+    text = render_configuration_markdown(COMMAND_CONFIGS)
     if args.out:
         with open(args.out, "w") as handle:
             handle.write(text)
@@ -223,9 +214,9 @@ def _launch_campaign_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _launch_stage_arguments(parser: argparse.ArgumentParser) -> None:
-    from pipeline.launch.campaign import STAGE_CONFIGS
+    from pipeline.launch.campaign import CAMPAIGN_STAGE_CONFIGS
 
-    parser.add_argument("kind", choices=sorted(STAGE_CONFIGS), help="the stage to launch")
+    parser.add_argument("kind", choices=sorted(CAMPAIGN_STAGE_CONFIGS), help="the stage to launch")
     parser.add_argument("--config", metavar="YAML", help="a YAML file of the stage's options to load first")
     parser.add_argument("--ranks-per-node", type=int, default=1, help="processes per node (bootstrap, rl)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node the job requests")
@@ -289,9 +280,9 @@ def _launch_campaign(args: argparse.Namespace) -> int:
 
 
 def _launch_stage(args: argparse.Namespace) -> int:
-    from pipeline.launch.campaign import STAGE_CONFIGS, CampaignPlan, Resources, Stage
+    from pipeline.launch.campaign import CAMPAIGN_STAGE_CONFIGS, CampaignPlan, Resources, Stage
 
-    config = configlib.load(STAGE_CONFIGS[args.kind], yaml_path=args.config, overrides=args.overrides)
+    config = configlib.load(CAMPAIGN_STAGE_CONFIGS[args.kind], yaml_path=args.config, overrides=args.overrides)
     resources = Resources(ranks_per_node=args.ranks_per_node, gpus_per_node=args.gpus_per_node)
     plan = CampaignPlan(name=args.kind, output_dir=args.output_dir or f"runs/launch/{args.kind}",
                         stages=[Stage(name=args.kind, kind=args.kind, config=config, resources=resources)])

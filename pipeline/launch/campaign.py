@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline import configlib
-from pipeline.config import BootstrapConfig, CurateConfig, EvaluateConfig, RLConfig, TrainEstimatorConfig
+from pipeline.config import STAGE_CONFIGS, BootstrapConfig, CurateConfig, EvaluateConfig, RLConfig, TrainEstimatorConfig
 from pipeline.configlib import ConfigError, option
 from pipeline.io import atomic_write_json
 
@@ -86,15 +86,9 @@ class Resources:
         return self.nodes + (self.rollout.nodes if self.rollout else 0)
 
 
-# kind → config class; kinds with more than one rank or rollout servers are listed apart.
-STAGE_CONFIGS: dict[str, type] = {
-    "bootstrap": BootstrapConfig,
-    "curate": CurateConfig,
-    "train-estimator": TrainEstimatorConfig,
-    "rl": RLConfig,
-    "evaluate": EvaluateConfig,
-    "export": ExportConfig,
-}
+# kind → config class: every stage, and the export of a run to Hugging Face.
+CAMPAIGN_STAGE_CONFIGS: dict[str, type] = {**STAGE_CONFIGS, "export": ExportConfig}
+# Kinds with more than one rank.
 MULTI_RANK_KINDS = ("bootstrap", "rl")
 
 
@@ -107,11 +101,11 @@ class Stage:
     resources: Resources = dataclasses.field(default_factory=Resources)
 
     def __post_init__(self) -> None:
-        if self.kind not in STAGE_CONFIGS:
-            raise ConfigError(f"stages.{self.name}.kind: {self.kind!r} is not one of {sorted(STAGE_CONFIGS)}")
-        if not isinstance(self.config, STAGE_CONFIGS[self.kind]):
+        if self.kind not in CAMPAIGN_STAGE_CONFIGS:
+            raise ConfigError(f"stages.{self.name}.kind: {self.kind!r} is not one of {sorted(CAMPAIGN_STAGE_CONFIGS)}")
+        if not isinstance(self.config, CAMPAIGN_STAGE_CONFIGS[self.kind]):
             raise ConfigError(f"stages.{self.name}.config: a {self.kind} stage takes a "
-                              f"{STAGE_CONFIGS[self.kind].__name__}, got {type(self.config).__name__}")
+                              f"{CAMPAIGN_STAGE_CONFIGS[self.kind].__name__}, got {type(self.config).__name__}")
         if self.resources.num_ranks > 1 and self.kind not in MULTI_RANK_KINDS:
             raise ConfigError(f"stages.{self.name}.resources: a {self.kind} stage runs on one rank "
                               f"(got {self.resources.num_ranks}); only {', '.join(MULTI_RANK_KINDS)} run on more")
@@ -183,12 +177,12 @@ class CampaignPlan:
         stages = []
         for entry in data["stages"]:
             kind = entry["kind"]
-            if kind not in STAGE_CONFIGS:
-                raise ConfigError(f"stages.{entry['name']}.kind: {kind!r} is not one of {sorted(STAGE_CONFIGS)}")
+            if kind not in CAMPAIGN_STAGE_CONFIGS:
+                raise ConfigError(f"stages.{entry['name']}.kind: {kind!r} is not one of {sorted(CAMPAIGN_STAGE_CONFIGS)}")
             stages.append(Stage(
                 name=entry["name"], kind=kind, depends_on=tuple(entry["depends_on"]),
                 resources=configlib.from_dict(Resources, entry["resources"], path=f"stages.{entry['name']}.resources"),
-                config=configlib.from_dict(STAGE_CONFIGS[kind], entry["config"], path=f"stages.{entry['name']}.config"),
+                config=configlib.from_dict(CAMPAIGN_STAGE_CONFIGS[kind], entry["config"], path=f"stages.{entry['name']}.config"),
             ))
         return cls(name=data["name"], output_dir=Path(data["output_dir"]), stages=stages)
 
@@ -357,7 +351,7 @@ STAGE_RUNNERS: dict[str, Callable[..., StageOutcome]] = {
     "evaluate": _run_evaluate,
     "export": _run_export,
 }
-assert set(STAGE_RUNNERS) == set(STAGE_CONFIGS)
+assert set(STAGE_RUNNERS) == set(CAMPAIGN_STAGE_CONFIGS)
 
 
 def run_stage(stage: Stage, *, context=None, out: Callable[[str], Any] = print) -> StageOutcome:

@@ -8,7 +8,7 @@ them with the actor's own cross-entropy step. Results are cached under
 same config:
 
     tokenizer/            Hugging Face tokenizer files
-    checkpoints/          our checkpoint format (``pipeline/trainer/checkpoint.py``)
+    checkpoints/          our checkpoint format (``pipeline/checkpoint/manager.py``)
     metrics.jsonl         per-step loss, learning rate, tokens/s
     summary.json          written last: the cache entry is complete only with it
 

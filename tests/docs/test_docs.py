@@ -1,4 +1,4 @@
-"""Docs cannot drift: shown commands parse, and configuration.md matches the dataclasses."""
+"""Docs cannot drift: shown commands parse, named source files exist, and configuration.md matches the dataclasses."""
 
 import re
 import shlex
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import STAGE_CONFIGS, build_parser
+from pipeline.cli import COMMAND_CONFIGS, build_parser
 from pipeline.configdocs import render_configuration_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +35,16 @@ def test_every_documented_command_parses(argv):
 
 def test_configuration_md_matches_the_dataclasses():
     written = (ROOT / "docs" / "configuration.md").read_text()
-    assert written == render_configuration_markdown(STAGE_CONFIGS), (
+    assert written == render_configuration_markdown(COMMAND_CONFIGS), (
         "docs/configuration.md is stale: run `winnow config docs --out docs/configuration.md`"
     )
+
+
+SOURCE_PATH = re.compile(r"\b((?:pipeline|tools|recipes|tests|slurm)/[A-Za-z0-9_/.-]+\.(?:py|sh|md|yaml|toml))")
+
+
+def test_every_source_file_the_docs_name_exists():
+    """A module that moves takes its mentions with it: a stale path in a doc is a broken pointer."""
+    missing = sorted({f"{doc.name}: {path}" for doc in DOCS for path in SOURCE_PATH.findall(doc.read_text())
+                      if not (ROOT / path).exists()})
+    assert not missing, "\n".join(missing)

@@ -170,10 +170,10 @@ def test_a_stage_stopped_by_a_signal_stays_pending_and_the_launch_ends(tmp_path)
 
 
 def test_stage_kinds_and_configs_match_the_cli():
-    from pipeline.cli import STAGE_CONFIGS as CLI_CONFIGS
-    from pipeline.launch.campaign import STAGE_CONFIGS
+    from pipeline.cli import COMMAND_CONFIGS
+    from pipeline.launch.campaign import CAMPAIGN_STAGE_CONFIGS
 
-    for kind, cls in STAGE_CONFIGS.items():
+    for kind, cls in CAMPAIGN_STAGE_CONFIGS.items():
         if kind != "export":  # export's options are `winnow convert megatron-to-hf` flags
-            assert CLI_CONFIGS[kind] is cls
-    assert STAGE_CONFIGS["bootstrap"] is BootstrapConfig and STAGE_CONFIGS["curate"] is CurateConfig
+            assert COMMAND_CONFIGS[kind] is cls
+    assert CAMPAIGN_STAGE_CONFIGS["bootstrap"] is BootstrapConfig and CAMPAIGN_STAGE_CONFIGS["curate"] is CurateConfig

@@ -1,6 +1,6 @@
 """Corrupted checkpoint, whole stage: the relaunch says what it skipped, resumes from the one before, ends exact.
 
-``tests/trainer/test_checkpoint.py::test_corrupted_newest_checkpoint_falls_back`` shows
+``tests/checkpoint/test_manager.py::test_corrupted_newest_checkpoint_falls_back`` shows
 ``newest_valid()`` skipping a damaged checkpoint. Here a whole ``run_rl`` (the tiny config of
 ``tests/rl``: 4 steps, checkpoints at steps 2 and 4) finishes; that run is the uninterrupted
 reference. A copy of it then has its step-4 checkpoint damaged (a truncated weights shard; a

@@ -8,7 +8,7 @@ megatron's ``common.pt`` (torch.save's C++ stream), the DCP ``.distcp`` shards, 
 ``tensors.safetensors``. The rename that publishes the checkpoint is refused by patching
 ``Path.rename`` with ``EROFS``, the one failure a size limit cannot cause.
 
-``tests/trainer/test_checkpoint.py::test_write_failure_keeps_previous_checkpoint`` patches
+``tests/checkpoint/test_manager.py::test_write_failure_keeps_previous_checkpoint`` patches
 ``save_file`` to raise ``OSError``; the real writers raise ``RuntimeError``,
 ``CheckpointException`` and ``SafetensorError`` instead, which used to escape as raw
 tracebacks (this suite found that). Runtime: 30-50 s each on a loaded 2-core machine (both slow).
