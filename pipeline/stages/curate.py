@@ -12,7 +12,8 @@ choices the paper leaves open):
 3. load the policy (``pipeline.eval.policy.load_policy``: a Hugging Face folder or a winnow
    checkpoint) and drop prompts that do not fit its context with ``max_new_tokens``;
 4. sample k = ``num_samples`` responses per remaining prompt with the local engine and
-   grade them in the bounded pool, shard by shard. Each shard is written atomically
+   grade them in the bounded pool, shard by shard (``pipeline.eval.sharded``, the engine
+   `winnow evaluate` runs too). Each shard is written atomically
    (``shards/shard_00003.parquet``) and samples with a seed derived from
    ``(seed, shard index)``, so a restarted run skips the completed shards and ends with
    exactly the files of an uninterrupted one;
@@ -36,9 +37,10 @@ Outputs under ``output_dir``:
 
 A shard records a fingerprint of what determines its samples: the policy's exact weights
 (``LoadedPolicy.source``), tokenizer, sampling options, shard size, template, dtype, the
-grading limits and the whole list of prompts to sample. A shard with another fingerprint
-is an error, never silently mixed in. The rules' thresholds are not part of it: rerunning
-with other thresholds re-applies the rules to the stored shards without generating.
+grading limits (``sharded.sampling_fingerprint``) and the whole list of prompts to sample.
+A shard with another fingerprint is an error, never silently mixed in. The rules'
+thresholds are not part of it: rerunning with other thresholds re-applies the rules to the
+stored shards without generating.
 Samples are reproducible on one device type (CPU and GPU kernels differ in the last bits).
 
 ``load_curation(output_dir)`` reads a finished curation back as a ``CurationResult``: the
@@ -48,7 +50,6 @@ difficulty estimator's first training set.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import time
@@ -64,8 +65,17 @@ from pipeline import configlib
 from pipeline.config import CurateConfig
 from pipeline.configlib import ConfigError
 from pipeline.errors import UserError
+from pipeline.eval.sharded import (
+    SamplingOptions,
+    Shard,
+    ShardSampler,
+    fits_context,
+    plan_shards,
+    resolve_device,
+    run_shard,
+    sampling_fingerprint,
+)
 from pipeline.io import atomic_write, atomic_write_text, package_versions
-from pipeline.models.tokenizer import prompt_token_ids
 
 # ================================================================ outputs
 
@@ -117,14 +127,6 @@ class CurationResult:
         return self.output_dir / KEPT_FILE
 
 
-@dataclass(frozen=True, slots=True)
-class _Shard:
-    index: int
-    prompts: list  # list[Prompt]
-    seed: int
-    path: Path
-
-
 # ================================================================ the stage
 
 
@@ -164,10 +166,12 @@ def run_curate(cfg: CurateConfig, *, context=None, out: Callable[[str], Any] = p
 
         out(f"[3/5] load the policy {cfg.policy}")
         phase = time.perf_counter()
-        policy = load_policy(cfg.policy, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=_device(cfg.device),
+        policy = load_policy(cfg.policy, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=resolve_device(cfg.device),
                              context=context)
         alive_index = np.flatnonzero(drop_reasons == rules.KEPT)  # (A,)
-        fits_mask = _fits_context([prompts[i] for i in alive_index], policy=policy, cfg=cfg)  # (A,)
+        fits_mask = fits_context([prompts[i] for i in alive_index], tokenizer=policy.tokenizer,  # (A,)
+                                 template=cfg.template, max_new_tokens=cfg.max_new_tokens,
+                                 max_positions=policy.max_position_embeddings)
         drop_reasons, _ = rules.apply_rule(drop_reasons, fits_mask, rule=rules.TOO_LONG)
         to_sample_index = np.flatnonzero(drop_reasons == rules.KEPT)  # (S,)
         timings["policy_s"] = time.perf_counter() - phase
@@ -271,51 +275,7 @@ def load_curation(output_dir: str | Path) -> CurationResult:
     )
 
 
-# ================================================================ CLI
-
-
-def add_curate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="YAML", help="a YAML file of options to load first")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted overrides applied last, e.g. policy=runs/sft num_samples=8 "
-                             "rules.hard_subset=[1,2]")
-
-
-def run_curate_command(args: argparse.Namespace) -> int:
-    """`winnow curate [--config YAML] [key=value ...]`: run, then print the counts and where the outputs are."""
-    cfg = configlib.load(CurateConfig, yaml_path=args.config, overrides=args.overrides)
-    result = run_curate(cfg)
-    print(format_counts(result.counts))
-    for name in (KEPT_FILE, PASS_RATES_FILE, REPORT_FILE, PLOT_FILE, MANIFEST_FILE):
-        print(f"  {name:<20} {result.output_dir / name}")
-    return 0
-
-
-def format_counts(counts: dict[str, int]) -> str:
-    """The counts per rule as a text table: prompts each rule dropped and how many remain after it."""
-    from pipeline.stages.curate_rules import RULE_ORDER
-
-    rows = [("loaded", "", counts["total"])]
-    remaining = counts["total"]
-    for rule in RULE_ORDER:
-        remaining -= counts[rule]
-        rows.append((rule, f"{counts[rule]:,}", remaining))
-    rows.append(("kept", "", counts["kept"]))
-    width = max(len(name) for name, _, _ in rows)
-    lines = [f"{'rule':<{width}}  {'dropped':>9}  {'remaining':>9}"]
-    lines += [f"{name:<{width}}  {dropped:>9}  {left:>9,}" for name, dropped, left in rows]
-    return "\n".join(lines)
-
-
 # ================================================================ steps
-
-
-def _device(name: str) -> str:
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _load_sources(cfg: CurateConfig) -> tuple[list, list[str], list[dict[str, Any]]]:
@@ -351,25 +311,16 @@ def _load_sources(cfg: CurateConfig) -> tuple[list, list[str], list[dict[str, An
     return prompts, specs, reports
 
 
-def _fits_context(prompts: Sequence, *, policy, cfg: CurateConfig) -> np.ndarray:
-    """``(A,)`` bool: prompt + ``max_new_tokens`` fits the model's context (the engine refuses more)."""
-    context = policy.max_position_embeddings
-    if context is None:
-        return np.ones(len(prompts), dtype=bool)
-    lengths = np.array([len(prompt_token_ids(policy.tokenizer, p, template=cfg.template)) for p in prompts],
-                       dtype=np.int64)
-    return lengths + cfg.max_new_tokens <= context
+def _sampling_options(cfg: CurateConfig) -> SamplingOptions:
+    return SamplingOptions(num_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens,
+                           temperature=cfg.temperature, top_p=cfg.top_p, template=cfg.template)
 
 
 def _fingerprint(cfg: CurateConfig, *, policy_source: str, prompts: Sequence) -> str:
     """What determines the shards' samples: the exact weights, sampling and grading options, the prompts."""
+    options = sampling_fingerprint(_sampling_options(cfg), policy_source=policy_source, tokenizer=cfg.tokenizer,
+                                   dtype=cfg.dtype, shard_size=cfg.shard_size, seed=cfg.seed, reward=cfg.reward)
     digest = hashlib.sha256()
-    options = {
-        "policy": policy_source, "tokenizer": cfg.tokenizer, "dtype": cfg.dtype, "num_samples": cfg.num_samples,
-        "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
-        "shard_size": cfg.shard_size, "template": cfg.template,
-        "max_response_chars": cfg.reward.max_response_chars, "max_answer_chars": cfg.reward.max_answer_chars,
-    }
     digest.update(json.dumps(options, sort_keys=True).encode())
     for prompt in prompts:
         digest.update(json.dumps([prompt.id, prompt.problem, prompt.answer]).encode() + b"\n")
@@ -377,17 +328,17 @@ def _fingerprint(cfg: CurateConfig, *, policy_source: str, prompts: Sequence) ->
 
 
 def shard_seed(seed: int, shard_index: int) -> int:
-    """The sampling seed of one shard: a hash of ``(seed, shard_index)`` in [0, 2^63)."""
+    """The sampling seed of one shard: a hash of ``(seed, shard_index)`` in [0, 2^63).
+
+    Not ``evaluate.shard_seed``'s hash: the shards of every existing curation were sampled with this one.
+    """
     digest = hashlib.sha256(f"winnow.curate|{seed}|{shard_index}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def _plan_shards(prompts: Sequence, *, cfg: CurateConfig, output_dir: Path) -> list[_Shard]:
-    return [
-        _Shard(index=index, prompts=list(prompts[start : start + cfg.shard_size]), seed=shard_seed(cfg.seed, index),
-               path=output_dir / SHARDS_DIR / f"shard_{index:05d}.parquet")
-        for index, start in enumerate(range(0, len(prompts), cfg.shard_size))
-    ]
+def _plan_shards(prompts: Sequence, *, cfg: CurateConfig, output_dir: Path) -> list[Shard]:
+    return plan_shards(prompts, shard_size=cfg.shard_size, seed_of=lambda index: shard_seed(cfg.seed, index),
+                       path_of=lambda index: output_dir / SHARDS_DIR / f"shard_{index:05d}.parquet")
 
 
 def _shard_metadata(path: Path) -> dict[str, Any]:
@@ -415,44 +366,37 @@ def _check_existing_shards(shards_dir: Path, *, fingerprint: str) -> None:
             )
 
 
-def _sample_shards(shards: list[_Shard], *, policy, pool, cfg: CurateConfig, fingerprint: str):
+def _sample_shards(shards: list[Shard], *, policy, pool, cfg: CurateConfig, fingerprint: str):
     """Each shard's table (read back when complete, else generated and written), and its status."""
     import pyarrow.parquet as pq
     from tqdm.auto import tqdm
 
-    from pipeline.eval.runner import sample_and_grade
-    from pipeline.models.tokenizer import prompt_token_ids
-    from pipeline.rollout.local import LocalEngine
-    from pipeline.rollout.types import SamplingParams
+    from pipeline.data.templates import prompt_token_ids
 
-    engine = None
+    sampler = ShardSampler(policy, options=_sampling_options(cfg), grading_pool=lambda: pool,
+                           show_progress=cfg.progress)
+
+    def read(path: Path):
+        table = pq.read_table(path)
+        return table, table.column("id").to_pylist()
+
+    def write(shard: Shard, results):
+        question_logprobs = question_mean_logprobs(
+            policy.hf_model, [prompt_token_ids(policy.tokenizer, p, template=cfg.template) for p in shard.prompts],
+            pad_id=policy.tokenizer.pad_token_id or 0)
+        table = _shard_table(results, shard=shard, fingerprint=fingerprint, question_logprobs=question_logprobs)
+        _atomic_write_parquet(shard.path, table)
+        return table
+
     tables, status = [], []
     for shard in tqdm(shards, desc="curate shards", unit="shard", disable=not cfg.progress, leave=False):
-        started = time.perf_counter()
-        if shard.path.is_file():
-            table = pq.read_table(shard.path)
-            if table.column("id").to_pylist() != [p.id for p in shard.prompts]:
-                raise CurationError(f"{shard.path}: holds other prompts than shard {shard.index} of this run")
-            state = "reused"
-        else:
-            if engine is None:
-                engine = LocalEngine(policy.hf_model, eos_token_ids=_eos_token_ids(policy),
-                                     pad_token_id=policy.tokenizer.pad_token_id, show_progress=cfg.progress)
-            params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                    top_p=cfg.top_p, seed=shard.seed)
-            results = sample_and_grade(engine=engine, tokenizer=policy.tokenizer, prompts=shard.prompts,
-                                       num_samples=cfg.num_samples, params=params, pool=pool, template=cfg.template)
-            question_logprobs = question_mean_logprobs(
-                policy.hf_model, [prompt_token_ids(policy.tokenizer, p, template=cfg.template) for p in shard.prompts],
-                pad_id=policy.tokenizer.pad_token_id or 0)
-            table = _shard_table(results, shard=shard, fingerprint=fingerprint, question_logprobs=question_logprobs)
-            _atomic_write_parquet(shard.path, table)
-            state = "generated"
-        tables.append(table)
+        outcome = run_shard(shard, sampler=sampler, read=read, write=write, error=CurationError,
+                            plan_name="this curation")
+        tables.append(outcome.rows)
         status.append({"index": shard.index, "file": f"{SHARDS_DIR}/{shard.path.name}",
-                       "num_prompts": len(shard.prompts), "seed": shard.seed, "status": state,
-                       "seconds": round(time.perf_counter() - started, 3),
-                       "num_generated_tokens": int(np.sum(table.column("num_generated_tokens").to_numpy()))})
+                       "num_prompts": len(shard.prompts), "seed": shard.seed,
+                       "status": "reused" if outcome.reused else "generated", "seconds": round(outcome.seconds, 3),
+                       "num_generated_tokens": int(np.sum(outcome.rows.column("num_generated_tokens").to_numpy()))})
     return tables, status
 
 
@@ -478,25 +422,7 @@ def question_mean_logprobs(model, prompts: list[list[int]], *, pad_id: int, batc
     return means
 
 
-def _eos_token_ids(policy) -> list[int]:
-    """Stop tokens: the tokenizer's EOS, plus a Hugging Face model's own (instruct models list several).
-
-    A winnow checkpoint's HF config carries only the ``transformers`` default ids, so there
-    the tokenizer alone decides.
-    """
-    ids: set[int] = set()
-    if policy.kind == "hf":
-        for holder in (getattr(policy.hf_model, "generation_config", None), policy.hf_model.config):
-            value = getattr(holder, "eos_token_id", None)
-            if value is not None:
-                ids.update([value] if isinstance(value, int) else value)
-                break
-    if policy.tokenizer.eos_token_id is not None:
-        ids.add(int(policy.tokenizer.eos_token_id))
-    return sorted(ids)
-
-
-def _shard_table(results, *, shard: _Shard, fingerprint: str, question_logprobs: np.ndarray):
+def _shard_table(results, *, shard: Shard, fingerprint: str, question_logprobs: np.ndarray):
     import pyarrow as pa
 
     from pipeline.stages.curate_rules import difficulty_names

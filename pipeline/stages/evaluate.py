@@ -10,7 +10,8 @@ such as ``arith?difficulty=3&size=500``; its ``eval.split``, unless the spec nam
    samples ``n`` responses per problem in one engine call seeded by
    ``derive_seed(eval.seed, benchmark, i)``, so a shard's samples do not depend on
    which shards ran before it or in which process; the responses are graded in the
-   bounded pool and the shard is written atomically to
+   bounded pool (``pipeline.eval.sharded``, the engine `winnow curate` runs too) and the
+   shard is written atomically to
    ``<output_dir>/<benchmark dir>/shard_00003.jsonl`` (one line per problem: id,
    answer, n, c, difficulty/level/subject, every sample's grading reason, the first
    ``save_responses`` responses truncated);
@@ -32,7 +33,6 @@ problems, per benchmark, per difficulty bucket (``level`` for MATH/MATH-500,
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import sys
@@ -47,8 +47,17 @@ from typing import Any
 from pipeline import configlib
 from pipeline.config import EvaluateConfig
 from pipeline.configlib import ConfigError
-from pipeline.data.records import Prompt
 from pipeline.errors import UserError
+from pipeline.eval.sharded import (
+    SamplingOptions,
+    Shard,
+    ShardSampler,
+    fits_context,
+    plan_shards,
+    resolve_device,
+    run_shard,
+    sampling_fingerprint,
+)
 from pipeline.io import atomic_write_text, package_versions
 
 MANIFEST_FILE = "manifest.json"
@@ -73,11 +82,11 @@ class BenchmarkPlan:
     directory: str  # under output_dir
     num_loaded: int
     num_too_long: int
-    shards: list[list[Prompt]]
+    shards: list[Shard]
 
     @property
     def num_problems(self) -> int:
-        return sum(len(shard) for shard in self.shards)
+        return sum(len(shard.prompts) for shard in self.shards)
 
 
 def benchmark_directory(spec: str) -> str:
@@ -89,6 +98,8 @@ def benchmark_directory(spec: str) -> str:
 
 
 def shard_seed(seed: int, benchmark: str, shard_index: int) -> int:
+    """The sampling seed of one shard. Not ``curate.shard_seed``'s hash: the shards of every existing
+    evaluation were sampled with this one."""
     from pipeline.eval.report import derive_seed
 
     return derive_seed("shard", seed, benchmark, shard_index)
@@ -107,18 +118,15 @@ def _split_for(spec: str, split: str) -> str | None:
 def plan_benchmark(spec: str, *, cfg: EvaluateConfig, tokenizer, max_positions: int | None) -> BenchmarkPlan:
     """Load ``spec``, set aside the problems too long for the model, and shard the rest."""
     from pipeline.data import load_prompts
-    from pipeline.models.tokenizer import prompt_token_ids
 
     prompts, _ = load_prompts(spec, split=_split_for(spec, cfg.eval.split), limit=cfg.eval.limit)
-    kept = prompts
-    if max_positions is not None:
-        budget = max_positions - cfg.eval.max_new_tokens
-        kept = [
-            p for p in prompts
-            if len(prompt_token_ids(tokenizer, p, template=cfg.template)) <= budget
-        ]
-    shards = [kept[start : start + cfg.shard_size] for start in range(0, len(kept), cfg.shard_size)]
-    return BenchmarkPlan(spec, benchmark_directory(spec), len(prompts), len(prompts) - len(kept), shards)
+    fits_mask = fits_context(prompts, tokenizer=tokenizer, template=cfg.template,  # (P,)
+                             max_new_tokens=cfg.eval.max_new_tokens, max_positions=max_positions)
+    kept = [prompt for prompt, fits in zip(prompts, fits_mask) if fits]
+    directory = benchmark_directory(spec)
+    shards = plan_shards(kept, shard_size=cfg.shard_size, seed_of=lambda index: shard_seed(cfg.eval.seed, spec, index),
+                         path_of=lambda index: Path(cfg.output_dir) / directory / _SHARD_NAME.format(index=index))
+    return BenchmarkPlan(spec, directory, len(prompts), len(prompts) - len(kept), shards)
 
 
 # ----------------------------------------------------------------------------- shards
@@ -155,29 +163,19 @@ def read_shard(path: Path) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- manifest
 
 
+def _sampling_options(cfg: EvaluateConfig) -> SamplingOptions:
+    return SamplingOptions(num_samples=cfg.eval.num_samples, max_new_tokens=cfg.eval.max_new_tokens,
+                           temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, template=cfg.template)
+
+
 def fingerprint(cfg: EvaluateConfig, *, policy_source: str) -> dict[str, Any]:
     """What a shard measures (policy, problems, sampling distribution and seed, grading); a resume requires it unchanged.
 
-    ``device`` and ``max_batch_rows`` are left out: they change which random draws a
-    shard gets, not what it measures, so a run may resume on another machine.
+    ``sharded.sampling_fingerprint`` plus the problems' split and limit and the format reward.
     """
-    return {
-        "policy": policy_source,
-        "tokenizer": cfg.tokenizer,
-        "dtype": cfg.dtype,
-        "template": cfg.template,
-        "shard_size": cfg.shard_size,
-        "split": cfg.eval.split,
-        "limit": cfg.eval.limit,
-        "num_samples": cfg.eval.num_samples,
-        "temperature": cfg.eval.temperature,
-        "top_p": cfg.eval.top_p,
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        "seed": cfg.eval.seed,
-        "format_reward": cfg.reward.format_reward,
-        "max_response_chars": cfg.reward.max_response_chars,
-        "max_answer_chars": cfg.reward.max_answer_chars,
-    }
+    common = sampling_fingerprint(_sampling_options(cfg), policy_source=policy_source, tokenizer=cfg.tokenizer,
+                                  dtype=cfg.dtype, shard_size=cfg.shard_size, seed=cfg.eval.seed, reward=cfg.reward)
+    return {**common, "split": cfg.eval.split, "limit": cfg.eval.limit, "format_reward": cfg.reward.format_reward}
 
 
 class Manifest:
@@ -225,7 +223,7 @@ class Manifest:
             "num_loaded": plan.num_loaded,
             "num_too_long": plan.num_too_long,
             "num_problems": plan.num_problems,
-            "shards": [{"status": "pending", "num_problems": len(shard)} for shard in plan.shards],
+            "shards": [{"status": "pending", "num_problems": len(shard.prompts)} for shard in plan.shards],
         }
 
     def previous_seconds(self, spec: str, index: int) -> float | None:
@@ -337,70 +335,30 @@ def build_results(
 # ----------------------------------------------------------------------------- the stage
 
 
-def _device(choice: str) -> str:
-    import torch
+def _shard_records(plan: BenchmarkPlan, shard: Shard, *, cfg: EvaluateConfig, sampler: ShardSampler,
+                   manifest: Manifest) -> list[dict[str, Any]]:
+    """One shard of ``plan``: read back when already on disk, else sampled, graded and written."""
 
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: 'cuda' requested but CUDA is not available")
-    return choice
-
-
-def _stop_token_ids(model, tokenizer) -> list[int]:
-    """The model's EOS ids plus the tokenizer's (chat models end turns on a token the config may omit)."""
-    ids: list[int] = []
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            ids += [value] if isinstance(value, int) else list(value)
-            break
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
-
-
-def _shard_records(
-    plan: BenchmarkPlan,
-    index: int,
-    *,
-    cfg: EvaluateConfig,
-    engine,
-    tokenizer,
-    grading_pool,
-    manifest: Manifest,
-) -> list[dict[str, Any]]:
-    """Shard ``index`` of ``plan``: read back when already on disk, else sampled, graded and written."""
-    from pipeline.eval.runner import sample_and_grade
-    from pipeline.rollout.types import SamplingParams
-
-    shard = plan.shards[index]
-    path = Path(cfg.output_dir) / plan.directory / _SHARD_NAME.format(index=index)
-    if path.is_file():
+    def read(path: Path):
         records = read_shard(path)
-        if [record["id"] for record in records] != [prompt.id for prompt in shard]:
-            raise EvaluateError(
-                f"{path} holds other problems than shard {index} of {plan.spec}; delete it to regenerate it"
-            )
-        manifest.set_shard(plan.spec, index, status="reused", seconds=manifest.previous_seconds(plan.spec, index))
+        return records, [record["id"] for record in records]
+
+    def write(shard: Shard, results) -> list[dict[str, Any]]:
+        records = [problem_record(result, save_responses=cfg.save_responses) for result in results]
+        write_shard(shard.path, records)
         return records
-    started = time.perf_counter()
-    params = SamplingParams(
-        max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-        seed=shard_seed(cfg.eval.seed, plan.spec, index),
-    )
-    try:
-        results = sample_and_grade(
-            engine=engine, tokenizer=tokenizer, prompts=shard, num_samples=cfg.eval.num_samples,
-            params=params, pool=grading_pool(), template=cfg.template,
-        )
-    except BaseException as error:
-        manifest.set_shard(plan.spec, index, status="failed", error=f"{type(error).__name__}: {error}")
-        raise
-    records = [problem_record(result, save_responses=cfg.save_responses) for result in results]
-    write_shard(path, records)
-    manifest.set_shard(plan.spec, index, status="done", seconds=time.perf_counter() - started)
-    return records
+
+    def failed(error: BaseException) -> None:
+        manifest.set_shard(plan.spec, shard.index, status="failed", error=f"{type(error).__name__}: {error}")
+
+    outcome = run_shard(shard, sampler=sampler, read=read, write=write, error=EvaluateError, plan_name=plan.spec,
+                        on_failure=failed)
+    if outcome.reused:
+        manifest.set_shard(plan.spec, shard.index, status="reused",
+                           seconds=manifest.previous_seconds(plan.spec, shard.index))
+    else:
+        manifest.set_shard(plan.spec, shard.index, status="done", seconds=outcome.seconds)
+    return outcome.rows
 
 
 def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, out=print) -> dict[str, Any]:
@@ -418,7 +376,6 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, out=print) -> 
     from pipeline.eval.policy import load_policy
     from pipeline.eval.report import RESULTS_FILE, format_results_markdown
     from pipeline.rewards import GradingPool
-    from pipeline.rollout.local import LocalEngine
 
     if not cfg.policy:
         raise ConfigError("policy: required (a Hugging Face folder or a winnow checkpoint directory)")
@@ -428,17 +385,12 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, out=print) -> 
     started = time.perf_counter()
     output_dir = Path(cfg.output_dir)
     policy = load_policy(
-        cfg.policy, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=_device(cfg.device), context=context
+        cfg.policy, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=resolve_device(cfg.device), context=context
     )
     out(f"policy {policy.source} loaded in {time.perf_counter() - started:.1f} s")
     manifest = Manifest(output_dir, cfg=cfg, fingerprint=fingerprint(cfg, policy_source=policy.source))
     manifest.data["timings"]["load_policy_s"] = time.perf_counter() - started
     manifest.write()
-    tokenizer = policy.tokenizer
-    engine = LocalEngine(
-        policy.hf_model, eos_token_ids=_stop_token_ids(policy.hf_model, tokenizer),
-        pad_token_id=tokenizer.pad_token_id, max_batch_rows=cfg.max_batch_rows, show_progress=cfg.progress,
-    )
 
     plans: dict[str, BenchmarkPlan] = {}
     records_by_benchmark: dict[str, list[dict[str, Any]]] = {}
@@ -450,9 +402,13 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, out=print) -> 
                 pools.append(stack.enter_context(GradingPool(**cfg.reward.pool_kwargs())))
             return pools[0]
 
+        sampler = ShardSampler(policy, options=_sampling_options(cfg), grading_pool=grading_pool,
+                               max_batch_rows=cfg.max_batch_rows, show_progress=cfg.progress)
+
         try:
             for spec in cfg.eval.benchmarks:
-                plan = plan_benchmark(spec, cfg=cfg, tokenizer=tokenizer, max_positions=policy.max_position_embeddings)
+                plan = plan_benchmark(spec, cfg=cfg, tokenizer=policy.tokenizer,
+                                      max_positions=policy.max_position_embeddings)
                 plans[spec] = plan
                 manifest.add_benchmark(plan)
                 manifest.write()
@@ -464,12 +420,9 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, out=print) -> 
                 with tqdm(
                     total=plan.num_problems, desc=spec, unit="problem", disable=not cfg.progress, file=sys.stderr
                 ) as bar:
-                    for index in range(len(plan.shards)):
-                        records += _shard_records(
-                            plan, index, cfg=cfg, engine=engine, tokenizer=tokenizer,
-                            grading_pool=grading_pool, manifest=manifest,
-                        )
-                        bar.update(len(plan.shards[index]))
+                    for shard in plan.shards:
+                        records += _shard_records(plan, shard, cfg=cfg, sampler=sampler, manifest=manifest)
+                        bar.update(len(shard.prompts))
                         num_samples = sum(record["n"] for record in records)
                         bar.set_postfix(avg=f"{sum(record['c'] for record in records) / max(1, num_samples):.3f}")
                 records_by_benchmark[spec] = records
@@ -492,58 +445,3 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, out=print) -> 
     out(markdown)
     out(f"results: {output_dir / RESULTS_FILE}, {output_dir / MARKDOWN_FILE}, {output_dir / PASS_AT_K_PLOT}")
     return results
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def _add_config_arguments(parser) -> None:
-    parser.add_argument("--config", metavar="YAML", help="a YAML file of options to load first")
-    parser.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides applied last, e.g. eval.num_samples=8"
-    )
-
-
-def add_evaluate_arguments(parser) -> None:
-    """``winnow evaluate POLICY [--tokenizer DIR] [--config YAML] [key=value ...]``."""
-    parser.add_argument(
-        "policy", help="a Hugging Face folder, a winnow run/checkpoint directory, or a bootstrap cache entry"
-    )
-    parser.add_argument(
-        "--tokenizer", metavar="DIR", default=None, help="tokenizer folder (default: found next to the policy)"
-    )
-    _add_config_arguments(parser)
-
-
-def run_evaluate_command(args) -> int:
-    cfg = configlib.load(EvaluateConfig, yaml_path=args.config, overrides=args.overrides)
-    # Set after loading: a path is not YAML (`a: b` or `[x]` would parse as data).
-    cfg = dataclasses.replace(cfg, policy=args.policy, tokenizer=args.tokenizer or cfg.tokenizer)
-    run_evaluate(cfg)
-    return 0
-
-
-def add_compare_arguments(parser) -> None:
-    """``winnow evaluate-compare RUN_A RUN_B [--bootstrap-samples N] [--seed S] [--plot PNG]``."""
-    parser.add_argument("run_a", help="the baseline: an evaluation output directory or its results.json")
-    parser.add_argument("run_b", help="the candidate; differences are B − A")
-    parser.add_argument("--bootstrap-samples", type=int, default=1000, help="resamples for the intervals (0: none)")
-    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    parser.add_argument("--plot", metavar="PNG", default=None, help="also draw both runs' pass@k curves here")
-
-
-def run_compare_command(args) -> int:
-    from pipeline.eval.plots import plot_comparison
-    from pipeline.eval.report import compare, format_comparison, load_results
-
-    if args.bootstrap_samples < 0:
-        raise UserError(f"--bootstrap-samples must be ≥ 0, got {args.bootstrap_samples}")
-    results_a, results_b = load_results(args.run_a), load_results(args.run_b)
-    rows = compare(results_a, results_b, bootstrap_samples=args.bootstrap_samples, seed=args.seed)
-    if not rows:
-        raise UserError(f"{args.run_a} and {args.run_b} share no evaluated benchmark")
-    print(f"A = {args.run_a}\nB = {args.run_b}\n")
-    print(format_comparison(rows), end="")
-    if args.plot:
-        print(f"\nplot: {plot_comparison({'A': results_a, 'B': results_b}, args.plot)}")
-    return 0

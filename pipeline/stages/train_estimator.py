@@ -26,7 +26,6 @@ Outputs under ``output_dir``:
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -96,7 +95,6 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
     from tqdm.auto import tqdm
 
     from pipeline.estimator.train import EstimatorTrainer
-
 
     if cfg.curation_dir is None:
         raise ConfigError("curation_dir: required; the output_dir of a finished `winnow curate`")
@@ -204,22 +202,3 @@ def _plot_reliability(path: Path, *, holdout: dict[str, Any], train: dict[str, A
     ax.set_title("difficulty estimator reliability")
     ax.legend(loc="upper left", fontsize=8)
     atomic_write(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
-
-
-# ================================================================ CLI
-
-
-def add_train_estimator_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="YAML", help="a YAML file of options to load first")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted overrides applied last, e.g. curation_dir=runs/curate encoder=tiny epochs=5")
-
-
-def run_train_estimator_command(args: argparse.Namespace) -> int:
-    """`winnow train-estimator [--config YAML] [key=value ...]`: train, print the held-out numbers and outputs."""
-    cfg = configlib.load(TrainEstimatorConfig, yaml_path=args.config, overrides=args.overrides)
-    run_train_estimator(cfg)
-    output_dir = Path(cfg.output_dir)
-    for name in (ESTIMATOR_DIR, CALIBRATION_FILE, PLOT_FILE):
-        print(f"  {name:<18} {output_dir / name}")
-    return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
@@ -200,19 +199,3 @@ def test_plots_are_png_files(tmp_path):
     for path in (plot_pass_at_k(run_a, tmp_path / "a.png"), plot_comparison({"A": run_a, "B": run_b}, tmp_path / "c.png")):
         assert path.read_bytes()[:8] == PNG_SIGNATURE and path.stat().st_size > 5000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "c.png"]  # no temporary files left
-
-
-def test_compare_command(tmp_path, capsys):
-    from pipeline.stages.evaluate import add_compare_arguments, run_compare_command
-
-    for name, counts in (("a", [1, 2, 3]), ("b", [2, 3, 4])):
-        (tmp_path / name).mkdir()
-        results = make_results({"gsm8k": (["p1", "p2", "p3"], [4, 4, 4], counts)})
-        (tmp_path / name / "results.json").write_text(json.dumps(results))
-    parser = argparse.ArgumentParser()
-    add_compare_arguments(parser)
-    args = parser.parse_args([str(tmp_path / "a"), str(tmp_path / "b"), "--plot", str(tmp_path / "cmp.png")])
-    assert run_compare_command(args) == 0
-    printed = capsys.readouterr().out
-    assert "| gsm8k | pass@1 | 0.500 | 0.750 | +0.250 | [+0.250, +0.250] | 3 | paired |" in printed
-    assert (tmp_path / "cmp.png").read_bytes()[:8] == PNG_SIGNATURE

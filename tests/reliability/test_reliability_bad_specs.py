@@ -16,7 +16,7 @@ import re
 import pytest
 
 from pipeline import cli
-from tests.eval.test_evaluate import hf_policy  # noqa: F401 - a fixture
+from tests.stages.test_evaluate import hf_policy  # noqa: F401 - a fixture
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -1,6 +1,6 @@
 """kill -9 of `winnow curate` and `winnow evaluate` mid-run: finished shards kept, the rest redone once.
 
-The stages' own tests (``tests/stages/test_curate.py``, ``tests/eval/test_evaluate.py``)
+The stages' own tests (``tests/stages/test_curate.py``, ``tests/stages/test_evaluate.py``)
 resume after an exception raised inside the process. Here a real ``winnow`` process is
 SIGKILLed as soon as its first shard file appears (usually in the middle of the next
 shard's generation or write), then relaunched with the same command:
@@ -12,7 +12,7 @@ shard's generation or write), then relaunched with the same command:
 * the final outputs equal those of an uninterrupted run of the same command (shards
   byte for byte or table for table, pass rates, kept set, report; pass@k and intervals).
 
-The policy is the random 2-layer Llama of ``tests/eval/test_evaluate.py``; one benchmark or
+The policy is the random 2-layer Llama of ``tests/stages/test_evaluate.py``; one benchmark or
 source of 12 problems in shards of 2 leaves ~5 shards to redo after the kill.
 Runtime: about 30 s per stage (three launches, ~8 s of imports and policy loading each).
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.eval.test_evaluate import hf_policy  # noqa: F401 - a fixture
+from tests.stages.test_evaluate import hf_policy  # noqa: F401 - a fixture
 from tests.reliability.test_reliability_interruptions import (
     RUN_TIMEOUT_S,
     STARTUP_TIMEOUT_S,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -18,12 +17,10 @@ from pipeline.stages.evaluate import (
     BenchmarkPlan,
     EvaluateConfig,
     EvaluateError,
-    add_evaluate_arguments,
     benchmark_directory,
     build_results,
     plan_benchmark,
     run_evaluate,
-    run_evaluate_command,
     shard_seed,
 )
 from tests.distributed_utils import run_distributed
@@ -281,8 +278,11 @@ def test_plan_sets_aside_prompts_longer_than_the_context(tmp_path, hf_policy):
     lengths = {row["id"]: len(encode_prompt(tokenizer, render_prompt(row["problem"], template="raw"))) for row in rows}
     expected = [row["id"] for row in rows if lengths[row["id"]] + 4 <= 20]
     assert 0 < len(expected) < len(rows)  # the cut falls inside the set
-    assert [p.id for shard in plan.shards for p in shard] == expected
-    assert [len(shard) for shard in plan.shards] == [2] * (len(expected) // 2) + [1] * (len(expected) % 2)
+    assert [p.id for shard in plan.shards for p in shard.prompts] == expected
+    assert [len(shard.prompts) for shard in plan.shards] == [2] * (len(expected) // 2) + [1] * (len(expected) % 2)
+    assert [shard.seed for shard in plan.shards] == [
+        shard_seed(cfg.eval.seed, str(data), index) for index in range(len(plan.shards))]
+    assert plan.shards[1].path == tmp_path / "out" / benchmark_directory(str(data)) / "shard_00001.jsonl"
     assert (plan.num_loaded, plan.num_too_long) == (9, 9 - len(expected))
     assert plan_benchmark(str(data), cfg=cfg, tokenizer=tokenizer, max_positions=None).num_too_long == 0
 
@@ -295,7 +295,7 @@ def test_build_results_buckets_and_brute_force_on_hand_made_records():
          "num_generated_tokens": 10 * n}
         for key, (n, c, level) in counts.items()
     ]
-    plan = BenchmarkPlan("math", "math", num_loaded=7, num_too_long=2, shards=[[None] * 5])
+    plan = BenchmarkPlan("math", "math", num_loaded=7, num_too_long=2, shards=[])
     results = build_results({"math": records}, plans={"math": plan}, cfg=cfg, policy_source="hf:/x")
     entry = results["benchmarks"]["math"]
     assert entry["reasons"] == {"correct": 10, "wrong": 10} and entry["mean_generated_tokens"] == 10.0
@@ -318,25 +318,6 @@ def test_benchmark_directories_are_file_system_safe():
     assert benchmark_directory("rg:gcd?difficulty=2") == "rg_gcd_difficulty=2"
     assert benchmark_directory("math500") == "math500"
     assert "/" not in benchmark_directory("/data/x/prompts.jsonl")
-
-
-def test_cli_arguments_reach_the_config(monkeypatch, tmp_path):
-    import pipeline.stages.evaluate as evaluate
-
-    seen = {}
-    monkeypatch.setattr(evaluate, "run_evaluate", lambda cfg: seen.setdefault("cfg", cfg))
-    parser = argparse.ArgumentParser()
-    add_evaluate_arguments(parser)
-    yaml_file = tmp_path / "eval.yaml"
-    yaml_file.write_text("eval:\n  num_samples: 8\n  ks: [1, 8]\n")
-    policy = tmp_path / "odd: [name]"  # not valid as a YAML value: must not go through overrides
-    # argparse takes the overrides with the first positional: they follow POLICY directly.
-    args = parser.parse_args([str(policy), "shard_size=16", "--tokenizer", "tok", "--config", str(yaml_file)])
-    assert run_evaluate_command(args) == 0
-    cfg = seen["cfg"]
-    assert (cfg.policy, cfg.tokenizer, cfg.shard_size, cfg.eval.num_samples, cfg.eval.ks) == (
-        str(policy), "tok", 16, 8, [1, 8]
-    )
 
 
 def test_missing_policy_is_a_config_error(tmp_path):
@@ -364,7 +345,7 @@ def _bootstrap_worker(rank, world_size, cache_dir):
     from pipeline.rollout.weight_sync import actor_hf_state
     from pipeline.stages.bootstrap import run_bootstrap
     from pipeline.trainer.actor import Actor
-    from pipeline.trainer.checkpoint import CheckpointManager
+    from pipeline.checkpoint.manager import CheckpointManager
 
     cfg = configlib.load(BootstrapConfig, overrides=[*BOOTSTRAP_OVERRIDES, f"cache_dir={cache_dir}"])
     context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed)

@@ -1,0 +1,150 @@
+"""`winnow train-estimator` end to end on a curation written with curate's own writers."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import configlib
+from pipeline.config import TrainEstimatorConfig
+from pipeline.configlib import ConfigError
+from pipeline.estimator.model import DifficultyEstimator
+from pipeline.eval.sharded import Shard
+from pipeline.stages.train_estimator import holdout_mask, load_training_set, run_train_estimator
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Two intra-op threads on two shared, loaded cores are ~100x slower for these tiny matmuls.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _digits_texts(num: int, seed: int) -> tuple[list[str], np.ndarray]:
+    """Questions of 8 symbols whose pass rate is 1 − (number of digits)/8: a relation a tiny encoder can learn."""
+    rng = np.random.default_rng(seed)
+    texts, rates = [], []
+    for _ in range(num):
+        num_digits = int(rng.integers(0, 9))
+        symbols = list(rng.choice(list("abcdefghij"), 8 - num_digits)) + list(rng.choice(list("0123456789"),
+                                                                                          num_digits))
+        rng.shuffle(symbols)
+        texts.append("q: " + "".join(symbols))
+        rates.append(1.0 - num_digits / 8)
+    return texts, np.array(rates)
+
+
+@dataclass
+class _FakePrompt:
+    id: str
+    problem: str
+    answer: str = "0"
+    source: str = "synthetic"
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class _FakeResult:
+    prompt: _FakePrompt
+    num_samples: int
+    num_correct: int
+    num_generated_tokens: int = 10
+
+
+def _write_curation(directory, *, num_prompts: int, k: int = 8) -> list[str]:
+    """A finished curation in `winnow curate`'s layout, written with its own writers; returns sampled ids."""
+    from pipeline.stages import curate
+
+    texts, rates = _digits_texts(num_prompts, seed=5)
+    prompts = [_FakePrompt(id=f"p{i:04d}", problem=text) for i, text in enumerate(texts)]
+    num_correct = np.rint(rates * k).astype(np.int64)
+    num_samples = np.full(num_prompts, k, dtype=np.int64)
+    num_samples[::10] = 0  # dropped before sampling (e.g. too long): no shard row, no pass rate
+    num_correct[::10] = 0
+    sampled = np.flatnonzero(num_samples > 0)
+    (directory / curate.SHARDS_DIR).mkdir(parents=True)
+    for index, start in enumerate(range(0, sampled.size, 40)):
+        rows = sampled[start : start + 40]
+        shard = Shard(index=index, prompts=[prompts[i] for i in rows], seed=index,
+                      path=directory / curate.SHARDS_DIR / f"shard_{index:05d}.parquet")
+        results = [_FakeResult(prompt=prompts[i], num_samples=k, num_correct=int(num_correct[i])) for i in rows]
+        # The policy's question log-prob: easier (higher pass rate) questions are more familiar.
+        question_logprobs = -3.0 + 2.0 * rates[rows]
+        curate._atomic_write_parquet(shard.path, curate._shard_table(results, shard=shard, fingerprint="fake",
+                                                                      question_logprobs=question_logprobs))
+    result = curate.CurationResult(
+        output_dir=directory, prompt_ids=[p.id for p in prompts], specs=["fake"] * num_prompts,
+        sources=["synthetic"] * num_prompts, num_samples=num_samples, num_correct=num_correct,
+        pass_rates=curate._pass_rates(num_samples, num_correct), kept_mask=num_samples > 0,
+        drop_reasons=["" if n else "too_long" for n in num_samples], samples_per_prompt=k,
+        counts={"total": num_prompts, "kept": int(sampled.size), "too_long": num_prompts - int(sampled.size)},
+    )
+    curate._write_pass_rates(directory / curate.PASS_RATES_FILE, result)
+    manifest = {"format": curate.FORMAT_VERSION, "config": {"num_samples": k}, "counts": result.counts}
+    (directory / curate.MANIFEST_FILE).write_text(json.dumps(manifest))
+    return [prompts[i].id for i in sampled]
+
+
+def test_stage_end_to_end_on_a_fake_curation(tmp_path):
+    sampled_ids = _write_curation(tmp_path / "curate", num_prompts=160)
+    ids, texts, pass_rates, question_logprobs, k = load_training_set(tmp_path / "curate")
+    assert ids == sampled_ids and k == 8 and len(texts) == 144 and pass_rates.min() >= 0.0
+    assert question_logprobs.shape == (144,) and question_logprobs.max() <= -1.0
+    cfg = configlib.load(TrainEstimatorConfig, overrides=[
+        f"curation_dir={tmp_path / 'curate'}", "encoder=tiny", "max_length=24", "epochs=3", "batch_size=16",
+        "lr=0.003", "holdout_fraction=0.25", f"output_dir={tmp_path / 'out'}", "progress=false"])
+    lines = []
+    returned = run_train_estimator(cfg, out=lines.append)
+    assert "held-out" in lines[-1] and "Spearman" in lines[-1]
+
+    out = tmp_path / "out"
+    report = json.loads((out / "calibration.json").read_text())
+    assert returned["holdout"]["brier"] == report["holdout"]["brier"] and returned["history"] == report["history"]
+    expected_holdout = int(holdout_mask(sampled_ids, fraction=0.25).sum())
+    assert report["num_prompts"] == {"train": 144 - expected_holdout, "holdout": expected_holdout}
+    assert report["holdout"]["spearman"] > 0.5, report["holdout"]
+    assert report["holdout"]["group_size"] == 8  # null group_size: the curation's k
+    assert len(report["history"]) == 3 and report["num_updates"] == 3 * math.ceil((144 - expected_holdout) / 16)
+    assert (out / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loaded = DifficultyEstimator.load(out / "estimator")
+    held_texts = [t for t, held in zip(texts, holdout_mask(ids, fraction=0.25)) if held]
+    predicted = loaded.predict_pass_rate(held_texts).double().numpy()
+    held_rates = pass_rates[holdout_mask(ids, fraction=0.25)]
+    assert np.mean((predicted - held_rates) ** 2) == pytest.approx(report["holdout"]["brier"], rel=1e-5)
+    assert "torch" in report["versions"]
+    assert all(row["train_loss"] > 0 for row in report["history"])
+
+    # A rerun with the same config finds the finished outputs and does not retrain.
+    weights = (out / "estimator" / "model.safetensors").stat().st_mtime_ns
+    lines.clear()
+    assert run_train_estimator(cfg, out=lines.append)["history"] == report["history"]
+    assert any("already trained with this config" in line for line in lines)
+    assert (out / "estimator" / "model.safetensors").stat().st_mtime_ns == weights
+
+    with pytest.raises(ConfigError, match="curation_dir"):
+        run_train_estimator(TrainEstimatorConfig(encoder="tiny", output_dir=str(tmp_path / "x")))
+
+
+def test_holdout_split_is_stable_and_near_the_fraction():
+    ids = [f"id-{i}" for i in range(4000)]
+    mask = holdout_mask(ids, fraction=0.1)
+    assert 0.08 < mask.mean() < 0.12
+    assert np.array_equal(holdout_mask(ids[::-1], fraction=0.1), mask[::-1])  # per id, not per position
+    assert not (mask & ~holdout_mask(ids, fraction=0.2)).any()  # a larger fraction holds out a superset
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ConfigError, match="holdout_fraction"):
+        configlib.load(TrainEstimatorConfig, overrides=["holdout_fraction=1.0"])
+    with pytest.raises(ConfigError, match="encoder"):
+        configlib.load(TrainEstimatorConfig, overrides=["encoder=roberta"])
+    with pytest.raises(ConfigError, match="max_length"):
+        configlib.load(TrainEstimatorConfig, overrides=["max_length=1024"])
+    assert configlib.load(TrainEstimatorConfig).w_rank == 3.0
