@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.data import Prompt
+from pipeline.data.templates import prompt_token_ids
 from pipeline.eval.passk import summarize
-from pipeline.models.tokenizer import prompt_token_ids
 from pipeline.rollout.types import GenerationRequest, SamplingParams
 
 
