@@ -12,29 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.estimator.model import DifficultyEstimator
 from pipeline.estimator.train import EstimatorTrainer, average_ranks, reliability_bins, spearman_correlation
+from tests.estimator.digits import digits_texts, one_thread  # noqa: F401 (one_thread is a fixture)
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two intra-op threads on two shared, loaded cores are ~100x slower for these tiny matmuls.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def _digits_texts(num: int, seed: int) -> tuple[list[str], np.ndarray]:
-    """Questions of 8 symbols whose pass rate is 1 − (number of digits)/8: a relation a tiny encoder can learn."""
-    rng = np.random.default_rng(seed)
-    texts, rates = [], []
-    for _ in range(num):
-        num_digits = int(rng.integers(0, 9))
-        symbols = list(rng.choice(list("abcdefghij"), 8 - num_digits)) + list(rng.choice(list("0123456789"),
-                                                                                          num_digits))
-        rng.shuffle(symbols)
-        texts.append("q: " + "".join(symbols))
-        rates.append(1.0 - num_digits / 8)
-    return texts, np.array(rates)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trainer(seed: int = 0, **kwargs) -> EstimatorTrainer:
@@ -111,8 +91,8 @@ def test_reliability_bins_put_one_in_the_last_bin():
 
 
 def test_tiny_estimator_learns_a_synthetic_difficulty():
-    texts, rates = _digits_texts(96, seed=0)
-    holdout_texts, holdout_rates = _digits_texts(48, seed=1)
+    texts, rates = digits_texts(96, seed=0)
+    holdout_texts, holdout_rates = digits_texts(48, seed=1)
     trainer = _trainer(seed=0)
     before = trainer.calibration(holdout_texts, holdout_rates, group_size=8, threshold=0.5)
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0)).numpy()
@@ -173,7 +153,7 @@ def test_update_rejects_bad_batches():
 
 
 def test_state_dict_round_trip_through_safetensors_and_json_is_exact(tmp_path):
-    texts, rates = _digits_texts(16, seed=2)
+    texts, rates = digits_texts(16, seed=2)
     targets = torch.tensor(rates, dtype=torch.float32)
     original = _trainer(seed=0)
     for _ in range(3):

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-import torch
 
 from pipeline import configlib
 from pipeline.config import TrainEstimatorConfig
@@ -16,29 +15,9 @@ from pipeline.configlib import ConfigError
 from pipeline.estimator.model import DifficultyEstimator
 from pipeline.eval.sharded import Shard
 from pipeline.stages.train_estimator import holdout_mask, load_training_set, run_train_estimator
+from tests.estimator.digits import digits_texts, one_thread  # noqa: F401 (one_thread is a fixture)
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two intra-op threads on two shared, loaded cores are ~100x slower for these tiny matmuls.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def _digits_texts(num: int, seed: int) -> tuple[list[str], np.ndarray]:
-    """Questions of 8 symbols whose pass rate is 1 − (number of digits)/8: a relation a tiny encoder can learn."""
-    rng = np.random.default_rng(seed)
-    texts, rates = [], []
-    for _ in range(num):
-        num_digits = int(rng.integers(0, 9))
-        symbols = list(rng.choice(list("abcdefghij"), 8 - num_digits)) + list(rng.choice(list("0123456789"),
-                                                                                          num_digits))
-        rng.shuffle(symbols)
-        texts.append("q: " + "".join(symbols))
-        rates.append(1.0 - num_digits / 8)
-    return texts, np.array(rates)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @dataclass
@@ -62,7 +41,7 @@ def _write_curation(directory, *, num_prompts: int, k: int = 8) -> list[str]:
     """A finished curation in `winnow curate`'s layout, written with its own writers; returns sampled ids."""
     from pipeline.stages import curate
 
-    texts, rates = _digits_texts(num_prompts, seed=5)
+    texts, rates = digits_texts(num_prompts, seed=5)
     prompts = [_FakePrompt(id=f"p{i:04d}", problem=text) for i, text in enumerate(texts)]
     num_correct = np.rint(rates * k).astype(np.int64)
     num_samples = np.full(num_prompts, k, dtype=np.int64)
