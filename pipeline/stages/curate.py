@@ -1,7 +1,6 @@
 """`winnow curate`: measure every prompt's difficulty under the base policy and keep the useful ones.
 
-Reinforce-Ada (``/work/shared/papers/reinforce-ada-adaptive-sampling.txt``, "Reinforce-Ada:
-An Adaptive Sampling Framework under Non-linear RL Objectives", §4.1 "Data Curation and
+Reinforce-Ada ("Reinforce-Ada: An Adaptive Sampling Framework under Non-linear RL Objectives", §4.1 "Data Curation and
 Verifier", App. C.1) curates its training set before RL; this stage does the same, in the
 rule order of ``pipeline.stages.curate_rules`` (read its docstring for the rules and the
 choices the paper leaves open):

@@ -1,7 +1,6 @@
 """Difficulty-curation rules: pure functions over prompt records and per-prompt ``(n, c)``.
 
-Implements the training-set curation of Reinforce-Ada
-(``/work/shared/papers/reinforce-ada-adaptive-sampling.txt``, "Reinforce-Ada: An Adaptive
+Implements the training-set curation of Reinforce-Ada ("Reinforce-Ada: An Adaptive
 Sampling Framework under Non-linear RL Objectives", §4.1 "Data Curation and Verifier"):
 deduplicate prompts, exclude prompts whose reference fails verification, sample k = 16
 responses from the base model and discard trivial prompts (average reward > 0.375) and

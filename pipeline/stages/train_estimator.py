@@ -1,7 +1,6 @@
 """`winnow train-estimator`: pre-train the DEPO difficulty estimator on a curation's pass rates.
 
-Paper: /work/shared/papers/depo-difficulty-estimated-policy-optimization.txt —
-"Difficulty-Estimated Policy Optimization", §3.1 (estimator and loss) and §3.2 (the
+Paper: "Difficulty-Estimated Policy Optimization", §3.1 (estimator and loss) and §3.2 (the
 cold-start problem). DEPO warms the estimator up online for its first 100 RL steps; a
 finished ``winnow curate`` already holds k graded samples for every sampled prompt, so
 this stage gives the estimator that warm-up offline, before any RL step, and reports how
