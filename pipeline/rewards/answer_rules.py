@@ -22,9 +22,9 @@ whether the answer was boxed or math-verify found it in unboxed text:
 ``numeric_answers="literal"`` (the default)
     When the gold is a number literal, the answer must be one too. Both are read by
     ``normalize.normalize_answer`` (the fast path's own reading): integers, decimals,
-    fractions and repeating decimals, with sign, thousands separators, ``$``, ``%``,
+    fractions in lowest terms and repeating decimals, with sign, thousands separators, ``$``, ``%``,
     degrees, ``x =`` and unit words. ``2070``, ``2,070``, ``\\frac{1}{2}``, ``18 miles``
-    pass; ``69 * 30``, ``2^{11} + 22`` do not. Non-numeric golds (``\\frac{\\pi}{3}``,
+    pass; ``69 * 30``, ``2^{11} + 22``, ``100/2`` do not. Non-numeric golds (``\\frac{\\pi}{3}``,
     ``x^2 + 1``) keep math-verify's symbolic equality. ``"symbolic"`` turns this off
     (paper-faithful evaluation: their numbers used plain math-verify), at the price of
     rewarding unevaluated arithmetic.
@@ -50,8 +50,9 @@ _SHORTHAND_SECOND_FRACTION_ARGUMENT = re.compile(r"(\\frac\{[^{}]*\})(\d)")
 
 
 def number_literal(text: str) -> bool:
-    """Whether ``text`` is one number written out (no operators, powers or functions)."""
-    return normalize_answer(text).value is not None
+    """Whether ``text`` is one number written out: no operators, powers or functions, and
+    no fraction left to divide out (``100/2``, ``\\frac{6}{4}``)."""
+    return normalize_answer(text).form not in (None, "quotient")
 
 
 def bare_number(text: str) -> bool:

@@ -69,7 +69,7 @@ class Reason(enum.StrEnum):
     TIMEOUT = "timeout"  # grading passed its deadline (the pool killed the worker)
     MEMORY = "memory"  # grading hit the worker memory cap (see pool.GradingPool)
     WORKER_ERROR = "worker_error"  # unexpected exception in the grader or worker death
-    RESTATES_PROBLEM = "restates_problem"  # equal to the gold, but copied from the question (answer_rules)
+    RESTATES_PROBLEM = "restates_problem"  # copied from the question: boxed, whatever its value; unboxed, when equal to the gold
     NOT_A_NUMBER = "not_a_number"  # the gold is a number, the answer an unevaluated expression (answer_rules)
 
 
@@ -165,9 +165,11 @@ def _strip_math_delimiters(text: str) -> str:
     return text
 
 
-def prepare(response: Any, gold: Any, options: GradeOptions) -> Grade | PendingGrade:
+def prepare(response: Any, gold: Any, options: GradeOptions, problem: str | None = None) -> Grade | PendingGrade:
     """The cheap half of ``grade``: a final ``Grade``, or the work left for math-verify.
 
+    A boxed answer copied from ``problem`` (``answer_rules.restates_problem``) is decided
+    here: it could not count whatever its value, so no sympy time is spent on it.
     Linear in ``options.max_response_chars`` and safe on any input; never raises.
     """
     if not isinstance(gold, str):
@@ -192,6 +194,8 @@ def prepare(response: Any, gold: Any, options: GradeOptions) -> Grade | PendingG
     if not normalized.text:
         # "\boxed{}" holds no answer, so it earns no format bonus either.
         return _decided(Reason.NO_ANSWER, has_box=False, extracted=answer, options=options)
+    if isinstance(problem, str) and answer_rules.restates_problem(answer, problem=problem, gold=gold):
+        return _decided(Reason.RESTATES_PROBLEM, has_box=True, extracted=answer, options=options)
     verdict = fast_compare(normalized, normalized_gold)
     if verdict is None:
         return PendingGrade(answer=answer, response_tail="", gold=gold, has_box=True)
@@ -409,7 +413,7 @@ def grade(
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive or None, got {timeout_s!r}")
     try:
-        prepared = prepare(response, gold, options)
+        prepared = prepare(response, gold, options, problem)
     except MemoryError:
         return failure(Reason.MEMORY)
     except Exception:  # noqa: BLE001 - the contract is "never raises"

@@ -10,10 +10,10 @@ each, comparing normalized strings costs microseconds. ``fast_compare`` returns
   percent sign or degrees the other lacks (``10\\%`` may equal ``0.1``);
 * ``None``  otherwise: the caller must ask math-verify.
 
-Number literals (``number_value``) are read once, here, for the fast path and for the
-answer rules alike: integers (``2070``, ``2,070``, ``14{,}916``, ``.75``), decimals,
-fractions (``7/2``, ``\\frac{1}{2}``, the MATH shorthand ``\\frac32``/``\\frac9{19}``,
-``\\frac{3}{-4}``) and repeating decimals (``1.\\overline{3}`` = 4/3), with optional
+Numbers are read once, here, for the fast path and for the answer rules alike
+(``normalize_answer``'s ``value`` and ``form``): integers (``2070``, ``2,070``,
+``14{,}916``), decimals (``.75``), fractions (``7/2``, ``\\frac{1}{2}``, the MATH
+shorthand ``\\frac32``/``\\frac9{19}``, ``\\frac{3}{-4}``) and repeating decimals (``1.\\overline{3}`` = 4/3), with optional
 sign, ``$``, ``%``, degrees, ``x =`` and unit words (``18 miles``, ``12\\text{ cm}``).
 
 Tolerance: a decimal agrees with the gold ``g`` when ``|a - g| <= min(1e-6, 1e-4 |g|)``.
@@ -32,6 +32,7 @@ All work is linear in the (bounded) answer length; numbers with more than
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -61,9 +62,13 @@ _CLEANUP = re.compile(
     r"(?P<linebreak>\\\\)"
     r"|(?P<frac>\\[dtc]frac(?![A-Za-z]))"
     r"|\\(?:left|right|displaystyle|[bB]igg?[lr]?)(?![A-Za-z])"
-    r"|\\[,;:! ]|~"
+    r"|\\[,;:! ]\s*|~"
 )
 _DOLLAR = re.compile(r"\\\$|\$")
+_LATEX_COMMA = re.compile(r"\{\s*,\s*\}")  # 14{,}916
+_MACRO = re.compile(r"\\[A-Za-z]+")
+# A comma followed by a space separates list items: "32, 349" is not 32,349.
+_LIST_COMMA = re.compile(r"\d,\s+\d")
 # Whitespace is dropped except between two letters ("\pi r" is not "\pir") or two
 # digits ("2 3" is not obviously "23").
 _SPACE = re.compile(r"\s+")
@@ -72,7 +77,8 @@ _PERCENT_SUFFIX = re.compile(r"\\?%$")
 _ASSIGNMENT = re.compile(r"^([A-Za-z](?:_\{?\w+\}?)?)=(?=[^=<>,;]+$)")
 _PAREN_SINGLE_TOKEN = re.compile(r"^\(([A-Za-z]|[+-]?\d+(?:\.\d+)?)\)$")
 
-_DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)"  # 2070 or 2,070 (commas only between groups of three)
+# 2070, 2,070 or 2 070: separators only between groups of three.
+_DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d+)"
 _INTEGER = re.compile(rf"[+-]?{_DIGITS}")
 _DECIMAL = re.compile(rf"[+-]?(?:{_DIGITS}\.\d*|\.\d+)")
 _SLASH_FRACTION = re.compile(r"([+-]?\d+)/([+-]?\d+)")
@@ -81,10 +87,12 @@ _LATEX_FRACTION = re.compile(r"([+-]?)\\frac(?:\{([+-]?\d+)\}|(\d))(?:\{([+-]?\d
 _REPEATING = re.compile(r"([+-]?)(\d*)\.(\d*)\\(?:overline|bar)(?:\{(\d+)\}|(\d))")
 # Words after a number: "18miles", "12cm^2", "5miles per hour" (spaces are gone between a
 # digit and a letter, kept between two letters). The first word has two letters or more,
-# so "2x" stays a product.
+# so "2x" stays a product. Possessive quantifiers and one separator between words keep
+# each attempt linear; only short answers are tried (a number and a few words).
 _UNIT_WORDS = re.compile(
-    r"(?<=[\d}.])(?P<words>[A-Za-z]{2,}(?:\^\{?[23]\}?)?(?:[ /]?[A-Za-z]+(?:\^\{?[23]\}?)?)*)$"
+    r"(?<=[\d}.])(?P<words>[A-Za-z]{2,}+(?:\^\{?[23]\}?)?(?:[ /][A-Za-z]++(?:\^\{?[23]\}?)?)*+)$"
 )
+_MAX_UNIT_ANSWER_CHARS = 80
 _WORD = re.compile(r"[A-Za-z]+")
 # Words that change a number's value or join it to more mathematics: "3 hundred",
 # "2 thirds", "5 squared", "3 and 4", "2 pi" are not the number followed by a unit.
@@ -105,9 +113,10 @@ _VALUE_MARKS = frozenset({"percent", "degrees"})
 class NormalizedAnswer:
     """An answer after fast-path normalization.
 
-    ``value`` is the exact rational when ``text`` is a number literal; ``form`` says how
-    it was written (``integer``, ``decimal``, ``fraction``, ``repeating``; ``None`` for
-    anything else); ``marks`` names the lossy normalizations applied;
+    ``value`` is the exact rational when ``text`` is a number; ``form`` says how it was
+    written (``integer``, ``decimal``, ``fraction`` in lowest terms, ``quotient`` for one
+    still to be divided out such as ``100/2``, ``repeating``; ``None`` for anything else);
+    ``marks`` names the lossy normalizations applied;
     ``for_math_verify`` is the answer rewritten for math-verify when it holds something
     math-verify reads differently (unit words, a repeating decimal, ``°``), else ``None``.
     """
@@ -160,7 +169,7 @@ def latex_cleanup(text: str) -> str:
     """The meaning-preserving part of normalization: math delimiters, sizing and spacing
     macros and formatting wrappers (``\\text{}``, ``\\textbf{}``, ``\\mathrm{}``, ``\\boxed{}``)
     removed, ``\\dfrac`` → ``\\frac``, whitespace dropped where it separates nothing."""
-    text = text.replace("\u2212", "-").replace("{,}", ",")
+    text = _LATEX_COMMA.sub(",", text.replace("\u2212", "-"))
     text = _DOLLAR.sub("", text)
     text = _CLEANUP.sub(_cleanup_token, text)
     text = _unwrap_macros(text)
@@ -171,9 +180,9 @@ def _exact_value(text: str) -> tuple[Fraction | None, str | None]:
     if len(text) > MAX_NUMBER_CHARS:
         return None, None
     if _INTEGER.fullmatch(text):
-        return Fraction(int(text.replace(",", ""))), "integer"
+        return Fraction(int(text.replace(",", "").replace(" ", ""))), "integer"
     if _DECIMAL.fullmatch(text):
-        return Fraction(text.replace(",", "")), "decimal"
+        return Fraction(text.replace(",", "").replace(" ", "")), "decimal"
     if match := _REPEATING.fullmatch(text):
         sign, whole, fixed, repeating = match[1], match[2], match[3], match[4] or match[5]
         value = int(whole or "0") + (
@@ -191,12 +200,26 @@ def _exact_value(text: str) -> tuple[Fraction | None, str | None]:
         return None, None
     if denominator == 0:
         return None, None
-    return Fraction(numerator, denominator), "fraction"
+    # 100/2 or \frac{6}{4} still has to be divided out: a quotient, not a fraction literal.
+    reduced = abs(denominator) > 1 and math.gcd(numerator, denominator) == 1
+    return Fraction(numerator, denominator), "fraction" if reduced else "quotient"
+
+
+def _last_of_equality_chain(text: str) -> str:
+    """``x=5+5+1=11`` → ``11``: like math-verify, a chain of two or more equalities answers
+    with its last part; words between the signs (``p=-1 and p=2``) make it no chain."""
+    parts = text.split("=")
+    if len(parts) < 3 or "," in text or ";" in text or not all(parts[1:]):
+        return text
+    if any(character.isalpha() for part in parts[1:] for character in _MACRO.sub("", part)):
+        return text
+    return parts[-1]
 
 
 def _strip_decorations(text: str, marks: set[str]) -> str:
     """Degrees, percent, ``x =`` and redundant braces/parentheses around one token."""
     text = _strip_outer_braces(text)
+    text = _last_of_equality_chain(text)
     if _DEGREE_SUFFIX.search(text):
         marks.add("degrees")
         text = _DEGREE_SUFFIX.sub("", text)
@@ -209,6 +232,8 @@ def _strip_decorations(text: str, marks: set[str]) -> str:
     text = _strip_outer_braces(text)
     if match := _PAREN_SINGLE_TOKEN.match(text):
         text = match[1]
+    elif text.startswith("(") and text.endswith(")") and _exact_value(text[1:-1])[0] is not None:
+        text = text[1:-1]  # (\frac{1}{3})
     return text
 
 
@@ -251,8 +276,11 @@ def normalize_answer(answer: str) -> NormalizedAnswer:
     found_marks = set(marks)
     text = _strip_decorations(cleaned, found_marks)
     value, form = _exact_value(text)
+    if "," in text and _LIST_COMMA.search(answer):
+        value, form = None, None
     dropped_units = False
-    if value is None and (units := _UNIT_WORDS.search(cleaned)) is not None:
+    units = _UNIT_WORDS.search(cleaned) if value is None and len(cleaned) <= _MAX_UNIT_ANSWER_CHARS else None
+    if units is not None:
         unit_marks = _unit_phrase_marks(units["words"])
         if unit_marks is not None:
             unit_marks |= marks

@@ -231,8 +231,8 @@ class GradingPool:
             start = time.monotonic()
             results: list[Grade | None] = []
             pending: dict[int, PendingGrade] = {}
-            for item_id, (response, gold, _) in enumerate(items):
-                prepared = prepare(response, gold, self.options)
+            for item_id, (response, gold, problem) in enumerate(items):
+                prepared = prepare(response, gold, self.options, problem)
                 if isinstance(prepared, Grade):
                     results.append(prepared)
                 else:
