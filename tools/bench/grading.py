@@ -1,6 +1,6 @@
 """Grading throughput and adversarial wall time: GradingPool vs plain math-verify.
 
-    python tools/bench/grading.py [--num-items 4000] [--num-workers N] [--deadline-s 2]
+    python -m tools.bench.grading [--num-items 4000] [--solution-items 1000] [--num-workers N] [--deadline-s 2]
 
 Prints three measurements:
 
@@ -9,7 +9,11 @@ Prints three measurements:
    ``GradingPool`` on all cores, and for a single-process math-verify baseline
    (``verify(parse(gold), parse(response))`` per item) on a sample of the same batch,
    with the ratio and how often the two disagree;
-2. the wall time of an adversarial batch (huge powers, factorials, deep nesting, a
+2. the same for full reference solutions (MATH-500's worked solutions and GSM8K's with
+   the final ``#### n`` boxed, interleaved, with their problems so the answer rules
+   run): whole responses of a few hundred to a few thousand characters, not only
+   short answers;
+3. the wall time of an adversarial batch (huge powers, factorials, deep nesting, a
    1 MB string, NUL bytes, unbalanced braces) against the deadline arithmetic
    ``ceil(num_timeouts / num_workers) * deadline_s + overhead_s``.
 
@@ -19,19 +23,16 @@ Writes them to ``<out>/grading.json`` and ``<out>/grading.png``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import random
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
+from pipeline.data.benchmarks import load_benchmark
 from pipeline.rewards import GradingPool, Reason
-
-if not __package__:  # run as a script: the repository root, not tools/bench, must be on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tools.bench.report import Panel, save  # noqa: E402
+from tools.bench.report import Panel, save
 
 THROUGHPUT_TARGET = 500.0  # gradings/s of the pool on a typical batch (docs/benchmarks.md)
 
@@ -96,6 +97,17 @@ def typical_batch(num_items: int, *, seed: int) -> list[tuple[str, str]]:
     return pairs
 
 
+def solution_batch(num_items: int) -> list[tuple[str, str, str]]:
+    """``(reference solution, gold, problem)``: MATH-500 and GSM8K test, interleaved, repeated up to ``num_items``."""
+    math500 = [(p.metadata["solution"], p.answer, p.problem) for p in load_benchmark("math500")[0]]
+    gsm8k = []
+    for prompt in load_benchmark("gsm8k")[0]:
+        work, final = prompt.metadata["solution"].rsplit("####", 1)
+        gsm8k.append((work + "The answer is $\\boxed{" + final.strip() + "}$.", prompt.answer, prompt.problem))
+    interleaved = [item for pair in itertools.zip_longest(math500, gsm8k) for item in pair if item is not None]
+    return list(itertools.islice(itertools.cycle(interleaved), num_items))
+
+
 def adversarial_batch() -> list[tuple[str, str]]:
     return [
         ("\\boxed{9^{9^{9^9}}}", "5"),
@@ -114,12 +126,12 @@ def adversarial_batch() -> list[tuple[str, str]]:
     ]
 
 
-def math_verify_baseline(pairs: list[tuple[str, str]]) -> tuple[float, list[bool]]:
+def math_verify_baseline(pairs: Sequence[tuple[str, ...]]) -> tuple[float, list[bool]]:
     """Plain math-verify in this process, with its default 5 s signal timeouts."""
     from math_verify import parse, verify
 
     start = time.perf_counter()
-    verdicts = [verify(parse("\\boxed{" + gold + "}"), parse(response)) for response, gold in pairs]
+    verdicts = [verify(parse("\\boxed{" + gold + "}"), parse(response)) for response, gold, *_ in pairs]
     return len(pairs) / (time.perf_counter() - start), verdicts
 
 
@@ -129,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     parser.add_argument("--num-items", type=int, default=4000)
     parser.add_argument("--baseline-items", type=int, default=400)
+    parser.add_argument("--solution-items", type=int, default=1000,
+                        help="full reference solutions graded by the pool (math-verify gets --baseline-items of them)")
     parser.add_argument("--num-workers", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--deadline-s", type=float, default=2.0)
     parser.add_argument("--overhead-s", type=float, default=1.5)
@@ -164,6 +178,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"disagreements with math-verify: {disagreements}/{len(sample)}"
         )
 
+        solutions = solution_batch(args.solution_items)
+        start = time.perf_counter()
+        solution_grades = pool.grade_batch(solutions)
+        solution_rate = len(solutions) / (time.perf_counter() - start)
+        solution_sample = solutions[: args.baseline_items]
+        solution_baseline_rate, solution_verdicts = math_verify_baseline(solution_sample)
+        solution_disagreements = sum(g.is_correct != v for g, v in zip(solution_grades, solution_verdicts))
+        num_solutions_correct = sum(g.is_correct for g in solution_grades)
+        mean_chars = sum(len(response) for response, _, _ in solutions) / max(len(solutions), 1)
+        print(f"full solutions: {len(solutions)} items (MATH-500 + GSM8K, mean {mean_chars:.0f} chars), "
+              f"{num_solutions_correct} graded correct")
+        print(f"pool:     {solution_rate:8.1f} gradings/s on {args.num_workers} workers")
+        print(f"baseline: {solution_baseline_rate:8.1f} gradings/s "
+              f"(single-process math-verify, {len(solution_sample)} items)")
+        print(f"ratio:    {solution_rate / solution_baseline_rate:8.1f}x; "
+              f"disagreements with math-verify: {solution_disagreements}/{len(solution_sample)}")
+
         adversarial = adversarial_batch()
         start = time.perf_counter()
         results = pool.grade_batch(adversarial)
@@ -186,6 +217,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "pool_gradings_per_s_target": THROUGHPUT_TARGET, "baseline_items": len(sample),
         "baseline_gradings_per_s": baseline_rate, "ratio": pool_rate / baseline_rate,
         "disagreements": disagreements,
+        "full_solutions": {"num_items": len(solutions), "mean_chars": mean_chars,
+                           "num_correct": num_solutions_correct, "pool_gradings_per_s": solution_rate,
+                           "baseline_items": len(solution_sample),
+                           "baseline_gradings_per_s": solution_baseline_rate,
+                           "ratio": solution_rate / solution_baseline_rate,
+                           "disagreements": solution_disagreements},
         "adversarial": {"num_items": len(adversarial), "num_timeouts": num_timeouts, "wall_s": wall_s,
                         "bound_s": bound_s, "within_bound": wall_s <= bound_s,
                         "reasons": [result.reason.value for result in results],
@@ -197,6 +234,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
               bars={f"GradingPool, {args.num_workers} workers": pool_rate,
                     "math-verify, one process": baseline_rate},
               lines={f"target ≥ {THROUGHPUT_TARGET:g}/s": THROUGHPUT_TARGET}),
+        Panel(title=f"full reference solutions ({len(solutions)} items; math-verify on the first {len(solution_sample)})",
+              xlabel="gradings per second", log_scale=True,
+              bars={f"GradingPool, {args.num_workers} workers": solution_rate,
+                    "math-verify, one process": solution_baseline_rate}),
         Panel(title=f"adversarial batch ({len(adversarial)} items, {num_timeouts} timed out)", xlabel="wall time (s)",
               bars={"GradingPool": wall_s}, lines={"bound: ⌈timeouts / workers⌉ × deadline + overhead": bound_s}),
     ]
