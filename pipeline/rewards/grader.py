@@ -13,7 +13,10 @@ Grading runs in three steps:
    normalize both and compare (``normalize.fast_compare``). Most RL answers end here.
 2. ``grade_with_math_verify`` (sympy; may be slow or stuck): parse the boxed answer,
    or, when there is no complete box, let math-verify extract one from the response
-   tail, and verify it against the gold, which is parsed once per worker (LRU cache).
+   tail (``extract_from_text``, which keeps the answer it found verbatim, so the
+   answer rules see it), and verify it against the gold, which is parsed once per
+   worker (LRU cache). Answers math-verify would misread (unit words, repeating
+   decimals, ``°``) reach it rewritten by ``normalize``.
 3. A deadline: ``grade()`` arms ``ITIMER_REAL`` around step 2 when called from the main
    thread. That stops Python-level sympy loops (``9^{9^{9^9}}``) but not a single
    long C call; ``pool.GradingPool`` runs step 2 in processes it can SIGKILL and is
