@@ -17,8 +17,8 @@ Each line is one case: ``response``, ``gold``, optional ``problem``, ``expected`
   math-verify's verdict in ``math_verify_expected`` and name winnow's rule (the last
   box is the answer, a comma is not a decimal point, unevaluated arithmetic, ...).
 
-Graded in one batch through the pool, as the RL loop grades (~3,000 cases, ~500 of them
-reach sympy; about 20 s on two idle cores).
+Graded in one batch through the pool, as the RL loop grades (3,029 cases, 693 of them
+reach sympy; 15 s on the shared 2-core build machine at load ~7).
 """
 
 from __future__ import annotations
