@@ -13,9 +13,12 @@ any parameter is allocated:
    ``share_embeddings_and_output_weights``. Logits stay vocab-parallel
    (``parallel_output=True``): losses combine them through a TP reducer.
 
-Fusions. With Transformer Engine on CUDA the fusions Megatron-LM enables by
-default are on. Without CUDA all are off (``CPU_DISABLED_FUSIONS`` says why
-for each); measured on megatron-core 0.16.1.
+Fusions (``kernel_fusions``). With Transformer Engine on CUDA the fusions Megatron-LM
+enables by default are on, except ``gradient_accumulation_fusion`` without APEX:
+megatron's output layer is always a local ``ColumnParallelLinear``, whose constructor
+raises when that flag is set and APEX's ``fused_weight_gradient_mlp_cuda`` is missing
+(pip-installed TE does not provide it). Without CUDA all are off
+(``CPU_DISABLED_FUSIONS`` says why for each); measured on megatron-core 0.16.1.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from pipeline.models.layer_spec import (
     FP8Options,
     LayerSpecChoice,
+    apex_fused_wgrad_available,
     final_norm_module,
     select_layer_spec,
 )
@@ -43,7 +47,7 @@ from pipeline.models.spec import ModelSpec
 if TYPE_CHECKING:
     from pipeline.parallel.context import ParallelContext
 
-__all__ = ["CPU_DISABLED_FUSIONS", "build_gpt_model", "build_transformer_config"]
+__all__ = ["CPU_DISABLED_FUSIONS", "build_gpt_model", "build_transformer_config", "kernel_fusions"]
 
 _COMPILED = (
     "wrapped in torch.compile (megatron.core.jit.jit_fuser): seconds of inductor compile "
@@ -58,7 +62,8 @@ CPU_DISABLED_FUSIONS: dict[str, str] = {
     "bias_dropout_fusion": _COMPILED,
 }
 
-# Megatron-LM's training defaults; TE provides every kernel these need.
+# Megatron-LM's training defaults; TE provides every kernel these need except APEX's
+# fused weight-gradient accumulation of the output layer (see kernel_fusions).
 _TE_FUSIONS: dict[str, bool] = {
     "gradient_accumulation_fusion": True,
     "apply_rope_fusion": True,
@@ -74,6 +79,21 @@ _LOCAL_CUDA_FUSIONS: dict[str, bool] = {
     "bias_activation_fusion": True,
     "bias_dropout_fusion": True,
 }
+
+def kernel_fusions(choice: LayerSpecChoice, *, has_cuda: bool, has_apex_wgrad: bool) -> dict[str, bool]:
+    """The ``TransformerConfig`` fusion flags for a layer implementation on this machine.
+
+    ``gradient_accumulation_fusion`` is one flag for every linear layer: TE's own layers
+    would fuse without APEX, but megatron's output ``ColumnParallelLinear`` cannot, so it
+    is on only with APEX. Without it TE computes weight gradients into ``.grad`` and
+    megatron's DDP hook adds them to ``main_grad``: one more add per weight, same result.
+    """
+    if not has_cuda:
+        return dict.fromkeys(CPU_DISABLED_FUSIONS, False)
+    if choice.name == "te":
+        return _TE_FUSIONS | {"gradient_accumulation_fusion": has_apex_wgrad}
+    return dict.fromkeys(CPU_DISABLED_FUSIONS, False) | _LOCAL_CUDA_FUSIONS
+
 
 _DTYPE_FLAGS: dict[torch.dtype, dict[str, bool]] = {
     torch.float32: {},
@@ -122,12 +142,8 @@ def build_transformer_config(
         raise ValueError("fp8.enabled: FP8 needs the Transformer Engine layer spec")
 
     has_cuda = torch.cuda.is_available()
-    if not has_cuda:
-        fusions = dict.fromkeys(CPU_DISABLED_FUSIONS, False)
-    elif choice.name == "te":
-        fusions = dict(_TE_FUSIONS)
-    else:
-        fusions = dict.fromkeys(CPU_DISABLED_FUSIONS, False) | _LOCAL_CUDA_FUSIONS
+    fusions = kernel_fusions(choice, has_cuda=has_cuda,
+                             has_apex_wgrad=has_cuda and choice.name == "te" and apex_fused_wgrad_available())
 
     fields: dict[str, Any] = {
         "num_layers": spec.num_layers,

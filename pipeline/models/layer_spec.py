@@ -43,6 +43,7 @@ from pipeline.models.spec import ModelSpec
 __all__ = [
     "FP8Options",
     "LayerSpecChoice",
+    "apex_fused_wgrad_available",
     "cuda_available",
     "final_norm_module",
     "local_layer_spec",
@@ -92,6 +93,17 @@ class FP8Options:
         if self.margin < 0:
             raise ValueError(f"fp8.margin: expected >= 0, got {self.margin}")
 
+    @property
+    def token_multiple(self) -> int:
+        """What a micro-batch's flattened token count must be a multiple of.
+
+        Transformer Engine 2.11 (``transformer_engine.pytorch.utils.assert_dim_for_fp8_exec``)
+        needs the leading dimensions of an FP8 GEMM operand to multiply to a multiple of 8
+        and its last dimension to be a multiple of 16; the weight-gradient GEMM puts the
+        tokens last, so 16. Without FP8, 1.
+        """
+        return 16 if self.enabled else 1
+
     def transformer_config_fields(self) -> dict[str, Any]:
         """The ``TransformerConfig`` keyword arguments for these options."""
         if not self.enabled:
@@ -125,6 +137,21 @@ def transformer_engine_available() -> bool:
         importlib.import_module("transformer_engine.pytorch")
     except Exception as error:  # noqa: BLE001 - TE raises OSError/RuntimeError for missing CUDA libs
         logger.debug("transformer_engine unavailable: %r", error)
+        return False
+    return True
+
+
+def apex_fused_wgrad_available() -> bool:
+    """Whether APEX's ``fused_weight_gradient_mlp_cuda`` extension imports.
+
+    megatron-core's ``ColumnParallelLinear`` (always the output layer, whatever the layer
+    spec) refuses ``gradient_accumulation_fusion=True`` without it. Neither pip nor
+    Transformer Engine installs it; NGC PyTorch containers ship it.
+    """
+    try:
+        importlib.import_module("fused_weight_gradient_mlp_cuda")
+    except Exception as error:  # noqa: BLE001 - a broken CUDA extension raises more than ImportError
+        logger.debug("APEX fused weight-gradient kernel unavailable: %r", error)
         return False
     return True
 

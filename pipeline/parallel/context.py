@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from pipeline.parallel import cpu_compat
+from pipeline.parallel import reducers
 from pipeline.parallel.reducers import GroupReducer
 
 __all__ = ["ParallelContext"]
@@ -48,6 +49,9 @@ class ParallelContext:
     pipeline_parallel: int
     data_parallel: int
     context_parallel: int
+    # Where this rank's model, batches and every collective's tensors live: cuda:local_rank
+    # with CUDA, else the CPU. Fixed at initialization; the collectives below check it.
+    device: torch.device
     owns_process_group: bool = field(repr=False)
     enabled_cpu_compat: bool = field(repr=False)
 
@@ -121,10 +125,12 @@ class ParallelContext:
                 f"data_parallel: {data_parallel} != world_size / (TP*PP*CP) = {derived_data_parallel}"
             )
 
+        if has_cuda:
+            # NCCL binds a communicator to the current device at first use, and megatron
+            # allocates on torch.cuda.current_device(): both must be this rank's GPU, also
+            # when someone else brought the process group up.
+            torch.cuda.set_device(local_rank)
         if owns_process_group:
-            if backend == "nccl":
-                # NCCL binds a communicator to the current device at first use.
-                torch.cuda.set_device(local_rank)
             dist.init_process_group(
                 backend=backend,
                 init_method=f"tcp://{master_addr}:{master_port}",
@@ -152,6 +158,7 @@ class ParallelContext:
             pipeline_parallel=pipeline_parallel,
             data_parallel=derived_data_parallel,
             context_parallel=context_parallel,
+            device=torch.device("cuda", local_rank) if has_cuda else torch.device("cpu"),
             owns_process_group=owns_process_group,
             enabled_cpu_compat=enabled_cpu_compat,
         )
@@ -205,13 +212,6 @@ class ParallelContext:
     @property
     def is_pipeline_last(self) -> bool:
         return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-
-    @property
-    def device(self) -> torch.device:
-        """Where this rank's model and batches live."""
-        if torch.cuda.is_available():
-            return torch.device("cuda", self.local_rank)
-        return torch.device("cpu")
 
     # Process groups.
 
@@ -268,7 +268,7 @@ class ParallelContext:
 
     def tp_vocab_reducer(self) -> GroupReducer:
         """``Reducer`` across the vocabulary shards of the tensor-parallel group."""
-        return GroupReducer(self.tp_group)
+        return GroupReducer(self.tp_group, device=self.device)
 
     def dp_sum(self, tensor: torch.Tensor, *, with_context_parallel: bool = False) -> torch.Tensor:
         """Sum of a metric or normalizer over data-parallel ranks (detached; input untouched).
@@ -277,15 +277,33 @@ class ParallelContext:
         per-token counts whose tokens are split across them.
         """
         group = self.dp_cp_group if with_context_parallel else self.dp_group
-        reduced = tensor.detach().clone()
-        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
-        return reduced
+        return reducers.all_reduce(tensor.detach().clone(), op=dist.ReduceOp.SUM, group=group, device=self.device,
+                                   name="dp_sum")
+
+    def world_min(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Minimum over every rank (detached; input untouched): e.g. a step all ranks skip together."""
+        return reducers.all_reduce(tensor.detach().clone(), op=dist.ReduceOp.MIN, group=None, device=self.device,
+                                   name="world_min")
 
     def broadcast_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """Broadcast in place from the last pipeline stage (losses live only there) to the others."""
+        reducers.check_device(tensor, self.device, op="broadcast_from_last_stage")
         if self.pipeline_parallel > 1:
-            dist.broadcast(tensor, src=self.pipeline_last_rank, group=self.pp_group)
+            reducers.broadcast(tensor, src=self.pipeline_last_rank, group=self.pp_group, device=self.device,
+                               name="broadcast_from_last_stage")
         return tensor
+
+    def broadcast_object_from_last_stage(self, payload: object) -> object:
+        """A picklable object from the last pipeline stage to every stage of this pipeline.
+
+        torch pickles it through a tensor on the current device (set to ``device`` at
+        initialization, so NCCL gets a CUDA tensor).
+        """
+        if self.pipeline_parallel == 1:
+            return payload
+        box = [payload]
+        dist.broadcast_object_list(box, src=self.pipeline_last_rank, group=self.pp_group)
+        return box[0]
 
     def barrier(self) -> None:
         dist.barrier()

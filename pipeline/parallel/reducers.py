@@ -14,6 +14,14 @@ typically the tensor-parallel group holding vocabulary shards:
 
 Neither method modifies its input. A group of size one short-circuits to the
 local behaviour without communication.
+
+Every collective winnow issues itself goes through this module (``all_reduce``,
+``broadcast``, ``GroupReducer``), and each first checks that its tensor lives on
+the rank's device (``ParallelContext.device``). NCCL only moves CUDA tensors: a CPU
+tensor handed to it fails deep inside torch ("no backend type associated with
+device type cpu"). On CPU the same check runs against ``cpu``, so a CPU test that
+builds a context whose device is ``cuda`` (no GPU needed) catches a tensor left
+behind before it ever meets NCCL.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupReducer"]
+__all__ = ["DeviceMismatchError", "GroupReducer", "all_reduce", "broadcast", "check_device"]
 
 
 class _AllReduceSumIdentityBackward(torch.autograd.Function):
@@ -38,19 +46,62 @@ class _AllReduceSumIdentityBackward(torch.autograd.Function):
         return grad_output, None
 
 
-class GroupReducer:
-    """``Reducer`` over the ranks of ``group`` (see module docstring for the autograd contract)."""
+class DeviceMismatchError(RuntimeError):
+    """A collective was handed a tensor that is not on this rank's device."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+
+def check_device(tensor: torch.Tensor, device: torch.device | None, *, op: str) -> None:
+    """Raise ``DeviceMismatchError`` unless ``tensor`` is on ``device`` (``None``: no check).
+
+    A device without an index (``cuda``) accepts any index of its type.
+    """
+    if device is None:
+        return
+    actual = tensor.device
+    if actual.type != device.type or (device.index is not None and actual.index != device.index):
+        raise DeviceMismatchError(
+            f"{op}: tensor of shape {tuple(tensor.shape)} is on {actual}, but this rank's collectives run on "
+            f"{device}; move it there first (NCCL refuses CPU tensors: 'no backend type associated with "
+            f"device type cpu')"
+        )
+
+
+def all_reduce(tensor: torch.Tensor, *, op: dist.ReduceOp, group: dist.ProcessGroup | None,
+               device: torch.device | None, name: str) -> torch.Tensor:
+    """In-place ``dist.all_reduce`` of ``tensor`` after the device check; returns ``tensor``."""
+    check_device(tensor, device, op=name)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, *, src: int, group: dist.ProcessGroup | None,
+              device: torch.device | None, name: str) -> torch.Tensor:
+    """In-place ``dist.broadcast`` from global rank ``src`` after the device check; returns ``tensor``."""
+    check_device(tensor, device, op=name)
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+class GroupReducer:
+    """``Reducer`` over the ranks of ``group`` (see module docstring for the autograd contract).
+
+    ``device``: where the reduced tensors must live (``ParallelContext.device``); checked
+    on every call, also for a group of one, so a CPU run exercises the check.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, device: torch.device | None = None) -> None:
         self.group = group
         self.group_size = dist.get_world_size(group)
+        self.device = device
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        check_device(tensor, self.device, op="GroupReducer.sum")
         if self.group_size == 1:
             return tensor
         return _AllReduceSumIdentityBackward.apply(tensor, self.group)
 
     def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        check_device(tensor, self.device, op="GroupReducer.max")
         reduced = tensor.detach().clone()
         if self.group_size > 1:
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.group)

@@ -19,6 +19,17 @@ full-batch loss. megatron's schedule divides by the number of micro-batches only
 for two-tuple loss returns, so we return three-tuples with
 ``calculate_per_token_loss=True``; megatron's DDP averages gradients over DP
 ranks, which we undo by scaling the loss by the DP size.
+
+Devices: batches arrive on the CPU (rollouts, advantages) and every micro-batch, its
+positions and causal mask, and every tensor handed to a collective are placed on
+``context.device``; the collectives themselves live in ``ParallelContext`` and check
+that device (``pipeline.parallel.reducers``), so a CPU run exercises the same checks a
+GPU run needs. Results return on the batch's device. On the CPU all moves are no-ops.
+
+FP8: Transformer Engine's FP8 GEMMs need the flattened token count of a micro-batch
+to be a multiple of 16 (``FP8Options.token_multiple``); micro-batches are then
+right-padded with fully masked positions (``pad_to_token_multiple``), which causal
+attention keeps invisible to the real tokens. Without FP8 nothing is padded.
 """
 
 from __future__ import annotations
@@ -31,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
@@ -45,7 +55,7 @@ from pipeline.models.layer_spec import FP8Options, select_layer_spec
 from pipeline.models.layout import shard_full_state_dict
 from pipeline.models.spec import ModelSpec
 from pipeline.parallel.context import ParallelContext
-from pipeline.trainer.batch import TrainBatch, plan_micro_batches
+from pipeline.trainer.batch import TrainBatch, pad_to_token_multiple, plan_micro_batches
 from pipeline.trainer.schedule import LearningRateSchedule
 
 logger = logging.getLogger(__name__)
@@ -87,10 +97,18 @@ def _finalize_grads_without_token_scaling(models, num_tokens=None, **kwargs):
     return finalize_model_grads(models, None, **kwargs)
 
 
-def _causal_mask(length: int) -> torch.Tensor:
+def _causal_mask(length: int, *, device: torch.device | None = None) -> torch.Tensor:
     # megatron's convention: True = masked. Always explicit: without one megatron
     # builds its causal mask on device="cuda".
-    return torch.ones(1, 1, length, length, dtype=torch.bool).triu_(1)
+    return torch.ones(1, 1, length, length, dtype=torch.bool, device=device).triu_(1)
+
+
+def model_inputs(micro: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tokens (B, T), positions (B, T), causal mask (1, 1, T, T))`` on the micro-batch's device."""
+    length = micro.tokens.shape[1]
+    device = micro.tokens.device
+    positions = torch.arange(length, device=device).unsqueeze(0).expand(micro.batch_size, -1)
+    return micro.tokens, positions, _causal_mask(length, device=device)
 
 
 class Actor:
@@ -106,7 +124,9 @@ class Actor:
         self.context = context
         self.trainer = trainer
         self.optim = optim
+        self.device = context.device
         fp8 = FP8Options(enabled=True, recipe=trainer.fp8) if trainer.fp8 != "off" else None
+        self.token_multiple = fp8.token_multiple if fp8 is not None else 1
         layer_spec, self.layer_spec_choice = select_layer_spec(spec, fp8=fp8)
         bf16 = trainer.precision == "bf16"
         model = build_gpt_model(
@@ -202,7 +222,7 @@ class Actor:
         lengths = batch.seq_lengths
         if self.context.pipeline_parallel == 1:
             plans = plan_micro_batches(lengths, max_tokens=self.trainer.micro_batch_tokens)
-            micros = [batch.select(rows, length=int(lengths[rows].max())) for rows in plans]
+            micros = [self._place(batch.select(rows, length=int(lengths[rows].max()))) for rows in plans]
             return micros, micros[0].tokens.shape[1], micros[0].batch_size
         # p2p buffers are allocated from (seq_length, micro_batch_size): pad to the batch's
         # longest sequence and fill the last micro-batch with fully masked rows.
@@ -210,34 +230,38 @@ class Actor:
         rows = max(1, self.trainer.micro_batch_tokens // length)
         num_micro = math.ceil(batch.batch_size / rows)
         padded = _pad_rows(batch, num_micro * rows)
-        micros = [padded.select(torch.arange(i * rows, (i + 1) * rows), length=length) for i in range(num_micro)]
-        return micros, length, rows
+        micros = [self._place(padded.select(torch.arange(i * rows, (i + 1) * rows), length=length))
+                  for i in range(num_micro)]
+        return micros, micros[0].tokens.shape[1], rows
+
+    def _place(self, micro: TrainBatch) -> TrainBatch:
+        """A micro-batch as the model consumes it: FP8-aligned (a no-op without FP8), on this rank's device."""
+        return pad_to_token_multiple(micro, multiple=self.token_multiple).to(self.device)
 
     def _run(self, batch: TrainBatch, *, loss: TokenLoss | None, temperature: float, forward_only: bool):
         micros, seq_length, micro_rows = self._micro_batches(batch)
         normalizer = None
         if loss is not None:
             local = torch.stack([loss.denominator(m) for m in micros]).sum()
-            normalizer = self.context.dp_sum(local.to(torch.float64))
+            normalizer = self.context.dp_sum(local.to(torch.float64))  # on the device: micros are there
         scale = float(self.context.data_parallel)
         collected: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def forward_step(data_iterator: Iterator[TrainBatch], model):
             micro = next(data_iterator)
-            length = micro.tokens.shape[1]
-            positions = torch.arange(length).unsqueeze(0).expand(micro.batch_size, -1)
-            output = model(micro.tokens, positions, _causal_mask(length))
+            output = model(*model_inputs(micro))
+            one = torch.tensor(1, dtype=torch.int, device=micro.tokens.device)
 
             def loss_func(hidden: torch.Tensor):
                 logprobs, entropy = self._head(hidden, micro.tokens, temperature)
                 if loss is None:
                     collected.append((logprobs.detach(), entropy.detach()))
                     zero = logprobs.sum() * 0.0
-                    return zero, torch.tensor(1, dtype=torch.int), {}
+                    return zero, one, {}
                 value, metrics = loss(logprobs=logprobs, entropy=entropy, micro=micro, normalizer=normalizer)
                 reported = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
                 reported["loss"] = value.detach()
-                return value * scale, torch.tensor(1, dtype=torch.int), reported
+                return value * scale, one, reported
 
             return output, loss_func
 
@@ -283,13 +307,15 @@ class Actor:
         with torch.no_grad():
             micros, _, collected = self._run(batch, loss=None, temperature=temperature, forward_only=True)
         self.model.train(self.trainable)
-        stats = torch.zeros((2, *batch.tokens.shape), dtype=torch.float32)  # (2, B, T)
+        length = batch.tokens.shape[1]
+        stats = torch.zeros((2, batch.batch_size, length), dtype=torch.float32, device=self.device)  # (2, B, T)
         if self.context.is_pipeline_last:
             for rows, (logprobs, entropy) in zip(self._micro_rows(batch), collected):
-                stats[0, rows, : logprobs.shape[1]] = logprobs[: len(rows)].float()
-                stats[1, rows, : entropy.shape[1]] = entropy[: len(rows)].float()
-            stats = torch.where(batch.response_mask, stats, 0.0)
-        stats = self.context.broadcast_from_last_stage(stats)
+                width = min(logprobs.shape[1], length)  # FP8 padding may run past the batch
+                stats[0, rows, :width] = logprobs[: len(rows), :width].float()
+                stats[1, rows, :width] = entropy[: len(rows), :width].float()
+            stats = torch.where(batch.response_mask.to(self.device), stats, 0.0)
+        stats = self.context.broadcast_from_last_stage(stats).to(batch.tokens.device)
         return stats[0], stats[1]
 
     def _micro_rows(self, batch: TrainBatch) -> list[torch.Tensor]:
@@ -309,11 +335,7 @@ class Actor:
         # Only the last pipeline stage gets loss outputs; every stage runs all the micro-batches.
         micros, outputs, _ = self._run(batch, loss=loss, temperature=temperature, forward_only=False)
         metrics = self._reduce_metrics(outputs)
-        finite = torch.tensor(
-            [float(math.isfinite(metrics.get("loss", 0.0)) and self._grads_finite())], dtype=torch.float32
-        )
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips together or none does
-        if finite.item() < 1.0:
+        if not self._all_ranks_finite(math.isfinite(metrics.get("loss", 0.0)) and self._grads_finite()):
             self.num_skipped_steps += 1
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -322,6 +344,11 @@ class Actor:
         _, grad_norm, _ = self.optimizer.step()
         self.schedule.step()
         return StepResult(metrics.get("loss", 0.0), float(grad_norm), False, learning_rate, len(micros), metrics)
+
+    def _all_ranks_finite(self, finite: bool) -> bool:
+        """Whether every rank's step is finite: every rank skips together or none does."""
+        flag = torch.tensor([float(finite)], dtype=torch.float32, device=self.device)
+        return self.context.world_min(flag).item() >= 1.0
 
     def _grads_finite(self) -> bool:
         # One read of each gradient and one host sync: a sum is NaN/inf whenever an element
@@ -338,14 +365,13 @@ class Actor:
             values = torch.tensor(
                 [[float(o[k]) for k in keys] for o in outputs], dtype=torch.float64
             ).reshape(len(outputs), len(keys))
-            sums = self.context.dp_sum(values.sum(dim=0))
-            counts = self.context.dp_sum(torch.tensor(float(len(outputs)), dtype=torch.float64))
+            sums = self.context.dp_sum(values.sum(dim=0).to(self.device)).cpu()
+            counts = self.context.dp_sum(torch.tensor(float(len(outputs)), dtype=torch.float64, device=self.device))
+            counts = counts.cpu()
             payload[0] = {
                 k: float(sums[i] if k == "loss" else sums[i] / counts) for i, k in enumerate(keys)
             }
-        if self.context.pipeline_parallel > 1:
-            dist.broadcast_object_list(payload, src=self.context.pipeline_last_rank, group=self.context.pp_group)
-        return payload[0] or {}
+        return self.context.broadcast_object_from_last_stage(payload[0]) or {}
 
 
 def _pad_rows(batch: TrainBatch, num_rows: int) -> TrainBatch:

@@ -8,7 +8,9 @@ alignment loses nothing and padding never needs index arithmetic elsewhere.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +58,46 @@ class TrainBatch:
             for field in dataclasses.fields(self)
         }
         return TrainBatch(**values)
+
+    def to(self, device: torch.device) -> TrainBatch:
+        """Every tensor on ``device``; the batch itself when they are all there already.
+
+        Not validated again (a move changes no shape or value): on a GPU the checks would
+        cost a host synchronization per micro-batch.
+        """
+        if all(getattr(self, f.name) is None or getattr(self, f.name).device == device
+               for f in dataclasses.fields(self)):
+            return self
+        moved = copy.copy(self)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            setattr(moved, f.name, None if value is None else value.to(device))
+        return moved
+
+
+def pad_to_token_multiple(batch: TrainBatch, *, multiple: int) -> TrainBatch:
+    """Right-pad positions until rows × length is a multiple of ``multiple``; ``batch`` itself if it is.
+
+    For FP8 GEMMs, which need the flattened token count divisible by 8 or 16. The fewest
+    positions that do it are added; they are fully masked (token 0, masks False, zeros),
+    and with causal attention no real position sees them, so the real positions' outputs
+    do not change. ``multiple=1`` (FP8 off) never pads.
+    """
+    if multiple < 1:
+        raise ValueError(f"multiple must be ≥ 1, got {multiple}")
+    rows, length = batch.tokens.shape
+    step = multiple // math.gcd(rows, multiple)  # rows × L is a multiple of `multiple` iff `step` divides L
+    target = -(-length // step) * step
+    if target == length:
+        return batch
+    extra = target - length
+
+    def pad(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        return torch.cat([tensor, tensor.new_zeros((rows, extra))], dim=1)
+
+    return TrainBatch(**{f.name: pad(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
 
 
 def plan_micro_batches(
