@@ -23,6 +23,13 @@ relies on, from SGLang 0.5.23:
 * Weight-update endpoints take JSON objects whose unknown keys are *ignored* (a typo
   would silently do nothing), answer ``{"success": bool, "message": str}``, and take
   ``weight_version`` to relabel the server's weights.
+* Tensor and distributed (NCCL) weight updates must run inside a weight-update session:
+  ``/begin_weight_update`` (``BeginWeightUpdateReqInput``: ``selector`` of the runners,
+  default ``"all"``), the updates, then ``/end_weight_update`` (``EndWeightUpdateReqInput``,
+  no fields), which finalizes the loaded weights. Outside a session the server answers
+  ``success: false`` ("... must run between begin_weight_update() and
+  end_weight_update()"); a second begin, or an end without a begin, is refused too.
+  ``/update_weights_from_disk`` needs no session.
 """
 
 from __future__ import annotations
@@ -41,8 +48,11 @@ __all__ = [
     "GENERATE_PATH",
     "HEALTH_PATH",
     "MalformedResponse",
+    "SESSION_UPDATE_PATHS",
     "SGLangServerSpec",
     "SampleOutput",
+    "begin_weight_update_body",
+    "end_weight_update_body",
     "generate_body",
     "init_weights_update_group_body",
     "launch_command",
@@ -66,6 +76,10 @@ UPDATE_FROM_DISTRIBUTED_PATH = "/update_weights_from_distributed"
 INIT_UPDATE_GROUP_PATH = "/init_weights_update_group"
 RELEASE_MEMORY_PATH = "/release_memory_occupation"
 RESUME_MEMORY_PATH = "/resume_memory_occupation"
+BEGIN_WEIGHT_UPDATE_PATH = "/begin_weight_update"
+END_WEIGHT_UPDATE_PATH = "/end_weight_update"
+# Updates SGLang 0.5.23 accepts only between /begin_weight_update and /end_weight_update.
+SESSION_UPDATE_PATHS = frozenset({UPDATE_FROM_TENSOR_PATH, UPDATE_FROM_DISTRIBUTED_PATH})
 
 # What a server reports before any versioned update or --weight-version.
 DEFAULT_WEIGHT_VERSION = "default"
@@ -373,6 +387,18 @@ def init_weights_update_group_body(
         "group_name": group_name,
         "backend": backend,
     }
+
+
+def begin_weight_update_body(selector: str = "all") -> dict[str, Any]:
+    """``BeginWeightUpdateReqInput``: open a weight-update session on the ``selector`` runners."""
+    if selector not in ("target", "draft", "all"):
+        raise ValueError(f"selector must be 'target', 'draft' or 'all', got {selector!r}")
+    return {"selector": selector}
+
+
+def end_weight_update_body() -> dict[str, Any]:
+    """``EndWeightUpdateReqInput``: close the session (it has no fields)."""
+    return {}
 
 
 def memory_occupation_body(tags: Sequence[str] | None) -> dict[str, Any]:

@@ -47,8 +47,11 @@ Weights: ``update_weights_from_disk`` (an HF export directory the servers can re
 ``update_weights_from_distributed`` (NCCL broadcast after
 ``init_weights_update_group``) go to every live server, label the weights with the
 new version, and are followed by ``/flush_cache`` so no prefix computed with the old
-weights is reused. A server that fails an update others passed is dropped (its weights
-are unknown); if every server fails, the version stays and ``RolloutError`` is raised.
+weights is reused. Tensor and distributed updates run inside SGLang's weight-update
+session: ``/begin_weight_update`` on every live server first, ``/end_weight_update`` on
+every server that opened one afterwards, also when the update failed. A server that
+fails to open or close the session, or fails an update others passed, is dropped (its
+weights are unknown); if every server fails, the version stays and ``RolloutError`` is raised.
 ``release_memory_occupation`` / ``resume_memory_occupation`` free and restore GPU
 memory when the trainer shares the GPUs (servers need ``enable_memory_saver``).
 
@@ -545,10 +548,13 @@ class SGLangEngine:
                 raise outcome
         return list(zip(targets, outcomes))  # type: ignore[arg-type]
 
-    async def _update_all(self, path: str, body_for: Callable[[int, _Server], Any], *, version: int) -> None:
+    async def _admin_checked(
+        self, path: str, body_for: Callable[[int, _Server], Any], *, servers: Sequence[_Server] | None = None
+    ) -> tuple[list[_Server], list[tuple[_Server, str]]]:
+        """POST to the servers; ``(succeeded, [(failed, why)])`` by their ``{success, message}`` answers."""
         succeeded: list[_Server] = []
         failed: list[tuple[_Server, str]] = []
-        for server, outcome in await self._admin_all(path, body_for):
+        for server, outcome in await self._admin_all(path, body_for, servers=servers):
             if isinstance(outcome, Exception):
                 failed.append((server, str(outcome)))
                 continue
@@ -561,6 +567,31 @@ class SGLangEngine:
                 succeeded.append(server)
             else:
                 failed.append((server, message))
+        return succeeded, failed
+
+    async def _update_all(self, path: str, body_for: Callable[[int, _Server], Any], *, version: int) -> None:
+        if path not in api.SESSION_UPDATE_PATHS:
+            succeeded, failed = await self._admin_checked(path, body_for)
+        else:
+            opened, failed = await self._admin_checked(
+                api.BEGIN_WEIGHT_UPDATE_PATH, lambda i, s: api.begin_weight_update_body()
+            )
+            if not opened:
+                details = "; ".join(f"{s.url}: {why}" for s, why in failed)
+                raise RolloutError(f"{api.BEGIN_WEIGHT_UPDATE_PATH} for version {version} failed on every server "
+                                   f"(version unchanged): {details}")
+            failed = [(server, f"{api.BEGIN_WEIGHT_UPDATE_PATH}: {why}") for server, why in failed]
+            try:
+                succeeded, update_failed = await self._admin_checked(path, body_for, servers=opened)
+                failed += update_failed
+            finally:
+                closed, close_failed = await self._admin_checked(
+                    api.END_WEIGHT_UPDATE_PATH, lambda i, s: api.end_weight_update_body(), servers=opened
+                )
+                for server, why in close_failed:
+                    self._drop(server, f"{api.END_WEIGHT_UPDATE_PATH} after the update to version {version} "
+                                       f"failed: {why}")
+            succeeded = [server for server in succeeded if server in closed]
         if not succeeded:
             details = "; ".join(f"{s.url}: {why}" for s, why in failed)
             raise RolloutError(f"{path} to version {version} failed on every server (version unchanged): {details}")

@@ -5,6 +5,12 @@ The local engine runs a Hugging Face model; every sync converts the actor's
 code path as ``winnow convert megatron-to-hf`` — so each RL step also exercises the
 conversion. Shards are gathered to global rank 0 (which drives the engine); other
 data-parallel replicas hold copies and send nothing.
+
+The names are those of the actor's layer spec (``actor.layer_spec_choice``): a
+Transformer Engine actor fuses its norms into the next linear layer
+(``…linear_qkv.layer_norm_weight``, ``…linear_fc1.layer_norm_weight``), a local one
+keeps them apart (``…input_layernorm.weight``). Tensors leave the GPU here: the map
+and every engine take CPU tensors.
 """
 
 from __future__ import annotations
@@ -39,9 +45,10 @@ def actor_hf_state(actor) -> Iterator[tuple[str, torch.Tensor]] | None:
     Every rank must call it (it gathers over the world group when there is more than one).
     """
     context = actor.context
-    local = {k: v.detach() for k, v in actor.module.state_dict().items() if not k.endswith("_extra_state")}
+    local = {k: v.detach().cpu() for k, v in actor.module.state_dict().items() if not k.endswith("_extra_state")}
     layout = MegatronLayout.build(
-        actor.spec, tp_size=context.tensor_parallel, pp_size=context.pipeline_parallel,
+        actor.spec, layer_spec=actor.layer_spec_choice.name, tp_size=context.tensor_parallel,
+        pp_size=context.pipeline_parallel,
     )
     if context.world_size == 1:
         return megatron_to_hf_state([[local]], spec=actor.spec, layout=layout)

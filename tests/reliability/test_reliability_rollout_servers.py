@@ -265,13 +265,13 @@ def test_tensor_distributed_and_memory_endpoints(servers: list[FakeServer]) -> N
     for server in servers:
         admin = [r for r in server.requests() if r["path"] != "/generate"]
         assert [r["path"] for r in admin] == [
-            "/update_weights_from_tensor", "/flush_cache",
+            "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update", "/flush_cache",
             "/init_weights_update_group",
-            "/update_weights_from_distributed", "/flush_cache",
+            "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update", "/flush_cache",
             "/release_memory_occupation", "/resume_memory_occupation",
         ]
-        offsets.append(admin[2]["body"]["rank_offset"])
-        assert admin[5]["body"] == {"tags": ["kv_cache", "weights"]}
+        offsets.append(admin[4]["body"]["rank_offset"])
+        assert admin[9]["body"] == {"tags": ["kv_cache", "weights"]}
     assert offsets == [1, 3]
 
 

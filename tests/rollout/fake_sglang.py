@@ -9,7 +9,10 @@ It keeps SGLang's contract on both sides: every ``/generate`` body goes through
 ``GenerateRequest.from_json_value`` from SGLang's ``api_types.py`` (HTTP 400 with
 SGLang's message on a violation, as the real server does), weight-update bodies are
 decoded with the strict mirrors of io_struct's ``*ReqInput`` structs, and responses are
-built from ``api_types`` structs and encoded with SGLang's own ``to_json_value``.
+built from ``api_types`` structs and encoded with SGLang's own ``to_json_value``. Like
+SGLang 0.5.23's scheduler, it refuses tensor and distributed updates outside a
+``/begin_weight_update`` … ``/end_weight_update`` session, a second begin, and an end
+without a begin, with the scheduler's messages (HTTP 400, ``success: false``).
 
 Tokens depend only on (prompt ids, ``sampling_seed``, weight version), so a test can
 recompute what any sample must be (``expected_sample``) whichever server produced it.
@@ -69,6 +72,7 @@ class _State:
         self.lock = threading.Lock()
         self.weight_version = args.weight_version
         self.num_generate = 0
+        self.session_open = False
         self.log = open(args.log, "a") if args.log else None
 
     def record(self, path: str, body: Any) -> None:
@@ -131,6 +135,15 @@ _UPDATE_STRUCTS = {
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+}
+# sglang/srt/managers/scheduler_components/weight_updater.py (0.5.23)
+_SESSION_ONLY = {
+    "/update_weights_from_tensor": "update_weights_from_tensor must run between begin_weight_update() and "
+                                   "end_weight_update()",
+    "/update_weights_from_distributed": "update_weights_from_distributed must run between begin_weight_update() "
+                                        "and end_weight_update()",
 }
 
 
@@ -198,6 +211,22 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
                 self._send(200, None)
+            elif self.path == "/begin_weight_update":
+                if state.session_open:
+                    self._send(400, {"success": False, "message": "a weight-update session is already open; "
+                                                                  "call end_weight_update() first"})
+                else:
+                    state.session_open = True
+                    self._send(200, {"success": True, "message": "Success"})
+            elif self.path == "/end_weight_update":
+                if not state.session_open:
+                    self._send(400, {"success": False, "message": "no weight-update session is open; "
+                                                                  "call begin_weight_update() first"})
+                else:
+                    state.session_open = False
+                    self._send(200, {"success": True, "message": "Success"})
+            elif self.path in _SESSION_ONLY and not state.session_open:
+                self._send(400, {"success": False, "message": _SESSION_ONLY[self.path]})
             elif state.args.fail_updates:
                 self._send(400, {"success": False, "message": "fake: refusing the update"})
             else:

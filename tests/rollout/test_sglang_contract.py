@@ -188,6 +188,28 @@ def test_memory_occupation_bodies() -> None:
         assert _decode_io_struct(name, api.memory_occupation_body(None)).tags is None
 
 
+def test_weight_update_session_bodies() -> None:
+    """SGLang 0.5.23's session endpoints: begin takes a runner selector, end takes nothing."""
+    begin = _decode_io_struct("BeginWeightUpdateReqInput", api.begin_weight_update_body())
+    assert begin.selector == "all"
+    assert _decode_io_struct("BeginWeightUpdateReqInput", api.begin_weight_update_body("target")).selector == "target"
+    _decode_io_struct("EndWeightUpdateReqInput", api.end_weight_update_body())
+    assert sglang_schema.io_struct_required("EndWeightUpdateReqInput") == set()
+    with pytest.raises(msgspec.ValidationError, match="selector"):
+        _decode_io_struct("EndWeightUpdateReqInput", {"selector": "all"})
+    with pytest.raises(ValueError, match="selector"):
+        api.begin_weight_update_body("everything")
+    # The endpoints exist on the server, and tensor/NCCL updates are the ones that need a session.
+    server_source = (sglang_schema.sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text()
+    for path in (api.BEGIN_WEIGHT_UPDATE_PATH, api.END_WEIGHT_UPDATE_PATH, *api.SESSION_UPDATE_PATHS):
+        assert f'@app.post("{path}")' in server_source
+    updater = (sglang_schema.sglang_dir() / "srt" / "managers" / "scheduler_components" / "weight_updater.py")
+    updater_source = updater.read_text()
+    for path in api.SESSION_UPDATE_PATHS:
+        assert f"{path.lstrip('/')} must run between" in updater_source
+    assert "update_weights_from_disk must run between" not in updater_source
+
+
 def test_strict_mirror_catches_a_typo() -> None:
     with pytest.raises(msgspec.ValidationError, match="flush_cach"):
         _decode_io_struct("UpdateWeightFromDiskReqInput", {"model_path": "/x", "flush_cach": True})
