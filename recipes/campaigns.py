@@ -4,7 +4,9 @@ evaluate and export each), with their resources, built from the stage presets.
 ``cpu_campaign`` runs anywhere (``tiny=True`` in a few minutes, for CI); the H100 presets
 start from a Hugging Face model folder, train on ``nodes`` 8-GPU trainer nodes with SGLang
 servers on rollout nodes of the same job, and compare the chosen RL config with a plain
-GRPO baseline. Every path between stages comes from ``output_dir``
+GRPO baseline. The trainer and the servers take the base model in different formats: a
+``convert`` stage turns the folder into a winnow checkpoint once (logit gate on), the rl
+stages train from that, and their servers load the folder itself (``rollout.model_path``). Every path between stages comes from ``output_dir``
 (:func:`pipeline.launch.campaign.wire_campaign`).
 """
 
@@ -25,7 +27,14 @@ from pipeline.config import (
     RLConfig,
     TrainerConfig,
 )
-from pipeline.launch.campaign import CampaignPlan, Resources, RolloutServers, wire_campaign
+from pipeline.launch.campaign import (
+    CampaignPlan,
+    ConvertConfig,
+    Resources,
+    RolloutServers,
+    Stage,
+    wire_campaign,
+)
 from pipeline.launch.demo import VARIANTS as DEMO_VARIANTS
 from recipes.cpu import default_cpu, grpo_cpu
 from recipes.stages import (
@@ -113,13 +122,33 @@ def h100_campaign(*, name: str, model_dir: str, output_dir: str | Path, rl: RLCo
     trainer = Resources(nodes=nodes, ranks_per_node=8, gpus_per_node=8, rollout=rollout, time_limit=time_limit,
                         requeues=50)
     one_gpu = Resources(gpus_per_node=1, time_limit=time_limit, requeues=3)
-    return wire_campaign(
+    plan = wire_campaign(
         name=name, output_dir=output_dir, curate=curate_h100(), estimator=estimator_h100(),
         rl_variants={"default": chosen, "grpo": baseline}, evaluate=evaluate_h100(), export_dtype="bf16",
         resources={"curate": one_gpu, "train-estimator": one_gpu, "rl-default": trainer, "rl-grpo": trainer,
                    "evaluate-default": one_gpu, "evaluate-grpo": one_gpu,
                    "export-default": Resources(time_limit="01:00:00"), "export-grpo": Resources(time_limit="01:00:00")},
     )
+    return _train_from_converted_policy(plan, hf_dir=chosen.policy)
+
+
+def _train_from_converted_policy(plan: CampaignPlan, *, hf_dir: str) -> CampaignPlan:
+    """Add the ``convert`` stage (``hf_dir`` → ``<output_dir>/base``); rl stages train from its
+    checkpoint and their SGLang servers load ``hf_dir``. Curation and evaluation keep the folder."""
+    converted = str(plan.output_dir / "base")
+    stages = [Stage(name="convert", kind="convert", config=ConvertConfig(hf=hf_dir, out=converted),
+                    resources=Resources(time_limit="02:00:00"))]
+    for stage in plan.stages:
+        if stage.kind == "rl":
+            rollout = stage.resources.rollout
+            if rollout is not None:
+                rollout = dataclasses.replace(rollout, model_path=hf_dir)
+            stage = dataclasses.replace(
+                stage, config=dataclasses.replace(stage.config, policy=converted),
+                depends_on=("convert", *stage.depends_on),
+                resources=dataclasses.replace(stage.resources, rollout=rollout))
+        stages.append(stage)
+    return CampaignPlan(name=plan.name, output_dir=plan.output_dir, stages=stages)
 
 
 def qwen25_math_7b(*, output_dir: str | Path, model_dir: str = "/models/Qwen2.5-Math-7B",

@@ -1,116 +1,297 @@
-"""GPU smoke test of the paths CPU CI cannot run: Transformer Engine FP8 and a real SGLang server.
+"""GPU smoke test of the paths CPU CI cannot run: the actor on CUDA, Transformer Engine (bf16, FP8),
+a weight sync from a TE actor, and a real SGLang server.
 
-Run on a machine with an NVIDIA GPU (H100 for FP8) after `pip install -e '.[gpu]'`:
+Run on a machine with an NVIDIA GPU (H100 for FP8) with the GPU install (``make install-gpu``,
+docs/gpu.md), through the shell wrapper, which takes the Python to use:
 
-    bash tools/gpu_smoke.sh            # or: python tools/gpu_smoke.py --workdir /tmp/winnow-gpu-smoke
+    bash tools/gpu_smoke.sh --python .venv-gpu/bin/python --fp8 delayed
+    bash tools/gpu_smoke.sh --python python3 --fp8 off --skip-sglang   # an NGC container's Python
 
-Checks, each printed as PASS/FAIL with its numbers:
-1. layer-spec selection picks Transformer Engine and records the FP8 recipe;
-2. the Megatron actor trains a small Llama-style model with TE + FP8 (delayed scaling) and bf16
-   weights: the loss falls over 20 steps and no step is skipped;
-3. the trained actor is saved, exported with `winnow convert megatron-to-hf` (logit gate on),
-   and served by a real SGLang server launched on 127.0.0.1;
-4. SGLang's log-probs of its own samples match the actor's recomputation (mean |Δ| reported;
-   bf16 serving vs the fp32-master actor: expect ~1e-2, fail above 0.1);
-5. after two more actor steps, `/update_weights_from_disk` moves the server to weight version 2
-   and its log-probs follow the new weights.
-Not part of CI (no GPU there); the closing notes of the conversion and rollout issues say so.
+Each check prints one line, PASS / FAIL / SKIP with its numbers, and a failing check never
+stops the others (its traceback goes to ``<workdir>/<check>.log``); checks that need what an
+earlier one failed to provide are skipped with the reason. Exit status: 0 when nothing
+failed, 1 otherwise. docs/gpu.md says what each result means.
+
+1. ``environment``: CUDA device and capability, torch, megatron-core, Transformer Engine, APEX, SGLang;
+2. ``local-bf16``: the local-spec actor trains in bf16 on CUDA (loss falls, no step skipped, weights
+   and batches on the GPU, log-probs back on the CPU);
+3. ``te-bf16``: the same with the Transformer Engine spec the presets use;
+4. ``te-weight-sync``: the TE actor's weights through ``actor_hf_state`` into an HF model: every
+   parameter mapped, and the HF model's log-probs agree with the actor's (TE↔HF agreement);
+5. ``fp8``: a TE + FP8 actor (``--fp8 delayed|current``) trains on one odd-shaped micro-batch
+   (3 rows × 37 tokens, padded to a multiple of 16 tokens) and on the full batch;
+6. ``sglang``: a bf16 export served by a real SGLang server (``--dtype bfloat16``,
+   ``--enable-deterministic-inference`` so ``sampling_seed`` is honoured): its log-probs of its
+   own samples match the actor's, and ``/update_weights_from_disk`` moves it to version 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-
-def check(name: str, ok: bool, detail: str) -> bool:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
-    return ok
+RESULTS: dict[str, str] = {}
 
 
-def main() -> int:
+def report(name: str, status: str, detail: str) -> None:
+    RESULTS[name] = status
+    print(f"{status:<4}  {name}: {detail}", flush=True)
+
+
+def run_check(name: str, workdir: Path, check: Callable[[], str], *, needs: tuple[str, ...] = ()) -> None:
+    """Run one check; any exception is its FAIL (traceback to a log), never the end of the smoke."""
+    missing = [need for need in needs if RESULTS.get(need) != "PASS"]
+    if missing:
+        report(name, "SKIP", f"needs {', '.join(missing)} to pass first")
+        return
+    try:
+        report(name, "PASS", check())
+    except _Skip as skip:
+        report(name, "SKIP", str(skip))
+    except Exception as error:  # noqa: BLE001 - every failure is this check's result
+        log = workdir / f"{name}.log"
+        log.write_text(traceback.format_exc())
+        report(name, "FAIL", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} "
+                             f"(traceback: {log})")
+
+
+class _Skip(Exception):
+    pass
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def expect(ok: bool, detail: str) -> None:
+    if not ok:
+        raise CheckFailed(detail)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def probe_environment(args: argparse.Namespace) -> str:
+    from importlib import metadata
+
+    from pipeline.models.layer_spec import apex_fused_wgrad_available, transformer_engine_available
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    facts = [f"python {sys.executable}", f"torch {torch.__version__} (CUDA {torch.version.cuda})",
+             f"megatron-core {version('megatron-core')}", f"transformer-engine {version('transformer-engine')}",
+             f"sglang {version('sglang')}", f"APEX wgrad kernel {'yes' if apex_fused_wgrad_available() else 'no'}"]
+    expect(torch.cuda.is_available(), "no CUDA device: run with the GPU install's Python (--python), "
+                                      f"not a CPU venv; {'; '.join(facts)}")
+    capability = torch.cuda.get_device_capability()
+    facts.insert(1, f"{torch.cuda.get_device_name()} sm_{capability[0]}{capability[1]}")
+    expect(transformer_engine_available(), f"transformer_engine.pytorch does not import; {'; '.join(facts)}")
+    if args.fp8 != "off" and capability < (8, 9):
+        facts.append("FP8 needs sm_89 or newer: the fp8 check will fail")
+    return "; ".join(facts)
+
+
+class Smoke:
+    """Shared state of the checks: one process group, the tokenizer, the data."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        from pipeline.models.spec import ModelSpec
+        from pipeline.models.tokenizer import save_tokenizer, train_tokenizer
+        from pipeline.parallel.rendezvous import initialize_process_context
+        from pipeline.stages.bootstrap import encode_example, make_batch
+
+        self.args, self.workdir = args, workdir
+        texts = [f"What is {a} + {b}? {a} + {b} = {a + b}. \\boxed{{{a + b}}}" for a in range(30) for b in range(30)]
+        self.tokenizer = train_tokenizer(texts, vocab_size=128)
+        self.tokenizer_dir = save_tokenizer(self.tokenizer, workdir / "tokenizer")
+        vocab = ((len(self.tokenizer) + 15) // 16) * 16  # FP8 GEMMs want multiples of 16
+        self.spec = ModelSpec(family="llama", vocab_size=vocab, hidden_size=256, ffn_hidden_size=704, num_layers=4,
+                              num_attention_heads=8, num_query_groups=4, max_position_embeddings=128)
+        examples = [encode_example(self.tokenizer, t.split("?")[0] + "?", t.split("? ", 1)[1]) for t in texts[:256]]
+        self.batch = make_batch(examples, pad_id=self.tokenizer.pad_token_id)
+        self.context = initialize_process_context(seed=0)
+        self.actors: dict[str, object] = {}
+
+    def actor(self, *, fp8: str = "off", prefer_te: bool = True):
+        from pipeline.config import OptimConfig, TrainerConfig
+        from pipeline.models import layer_spec
+        from pipeline.trainer import actor as actor_module
+
+        # The actor always prefers TE; the local-spec check asks for the local spec explicitly.
+        select = functools.partial(layer_spec.select_layer_spec, prefer_te=prefer_te)
+        original, actor_module.select_layer_spec = actor_module.select_layer_spec, select
+        try:
+            return actor_module.Actor(
+                spec=self.spec, context=self.context, optim=OptimConfig(lr=1e-3), seed=0,
+                trainer=TrainerConfig(micro_batch_tokens=8192, precision="bf16", fp8=fp8))
+        finally:
+            actor_module.select_layer_spec = original
+
+    def train(self, actor, *, steps: int = 20) -> str:
+        from pipeline.trainer.losses import CrossEntropyLoss
+
+        results = [actor.train_step(self.batch, CrossEntropyLoss()) for _ in range(steps)]
+        expect(not any(r.skipped for r in results), f"{sum(r.skipped for r in results)} of {steps} steps skipped")
+        expect(results[-1].loss < results[0].loss, f"loss did not fall: {results[0].loss:.3f} → {results[-1].loss:.3f}")
+        devices = {p.device.type for p in actor.module.parameters()}
+        expect(devices == {"cuda"}, f"parameters on {devices}")
+        logprobs = actor.compute_logprobs(self.batch)
+        expect(logprobs.device.type == "cpu" and bool(torch.isfinite(logprobs).all()), "log-probs not finite on CPU")
+        return (f"spec {actor.layer_spec_choice.name}, loss {results[0].loss:.3f} → {results[-1].loss:.3f} "
+                f"in {steps} steps, grad norm {results[-1].grad_norm:.3g}")
+
+    def local_bf16(self) -> str:
+        actor = self.actor(prefer_te=False)
+        expect(actor.layer_spec_choice.name == "local", str(actor.layer_spec_choice))
+        return self.train(actor)
+
+    def te_bf16(self) -> str:
+        actor = self.actor()
+        expect(actor.layer_spec_choice.name == "te", f"layer spec {actor.layer_spec_choice.to_dict()}")
+        fused = actor.module.config.gradient_accumulation_fusion
+        detail = self.train(actor)
+        self.actors["te"] = actor
+        return f"{detail}, gradient_accumulation_fusion={fused}"
+
+    def te_weight_sync(self) -> str:
+        from pipeline.checkpoint.convert import copy_into_model
+        from pipeline.rollout.weight_sync import actor_hf_state, build_hf_model
+
+        actor = self.actors["te"]
+        names = [k for k in actor.module.state_dict() if not k.endswith("_extra_state")]
+        expect(any(".layer_norm_weight" in k for k in names), "the TE actor has no fused-norm names")
+        hf = build_hf_model(self.spec, dtype=torch.float32).cuda()
+        copy_into_model(hf, actor_hf_state(actor))  # every parameter exactly once, or it raises
+        tokens = self.batch.tokens.cuda()
+        with torch.no_grad():
+            logits = hf(tokens).logits.float()[:, :-1]
+        hf_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1).cpu()
+        mask = self.batch.response_mask[:, 1:]
+        actor_logprobs = actor.compute_logprobs(self.batch)[:, 1:]
+        delta = (hf_logprobs - actor_logprobs).abs()[mask]
+        # bf16 TE actor vs an fp32 HF copy of its weights: bf16 activations, ~1e-2.
+        expect(float(delta.mean()) < 0.05, f"mean |Δ| {float(delta.mean()):.4f} ≥ 0.05 (max {float(delta.max()):.3f})")
+        return f"{len(names)} TE parameters mapped; TE↔HF log-probs mean |Δ| {float(delta.mean()):.4f}, " \
+               f"max {float(delta.max()):.3f}"
+
+    def fp8(self) -> str:
+        from pipeline.trainer.batch import TrainBatch
+        from pipeline.trainer.losses import CrossEntropyLoss
+
+        if self.args.fp8 == "off":
+            raise _Skip("--fp8 off")
+        actor = self.actor(fp8=self.args.fp8)
+        expect(actor.layer_spec_choice.fp8_recipe == self.args.fp8 and actor.token_multiple == 16,
+               f"{actor.layer_spec_choice.to_dict()}, token multiple {actor.token_multiple}")
+        length = 37  # 3 × 37 = 111 tokens: runs as 3 × 48
+        generator = torch.Generator().manual_seed(0)
+        odd = TrainBatch(tokens=torch.randint(1, len(self.tokenizer), (3, length), generator=generator),
+                         response_mask=(torch.arange(length) >= 5).expand(3, length).clone())
+        first = actor.train_step(odd, CrossEntropyLoss())
+        expect(not first.skipped and first.loss == first.loss, f"3×{length} micro-batch: {first}")
+        detail = self.train(actor)
+        return f"recipe {self.args.fp8}: 3×{length} micro-batch loss {first.loss:.3f}; {detail}"
+
+    def sglang(self) -> str:
+        from pipeline.checkpoint.manager import CheckpointManager
+        from pipeline.models.tokenizer import encode_prompt
+        from pipeline.rl.rollouts import to_train_batch
+        from pipeline.rollout.mismatch import logprob_mismatch
+        from pipeline.rollout.sglang_api import SGLangServerSpec
+        from pipeline.rollout.sglang_engine import SGLangEngine
+        from pipeline.rollout.types import GenerationRequest, SamplingParams
+        from pipeline.trainer.losses import CrossEntropyLoss
+
+        if self.args.skip_sglang:
+            raise _Skip("--skip-sglang")
+        try:
+            import sglang  # noqa: F401
+        except Exception as error:  # noqa: BLE001
+            raise _Skip(f"sglang does not import here ({type(error).__name__}); install its stack or pass "
+                        "--skip-sglang") from None
+        actor = self.actors["te"]
+
+        def export(step: int) -> Path:
+            run_dir = self.workdir / f"run{step}"
+            CheckpointManager(run_dir, keep_last=1).save(step, actor=actor)
+            out = self.workdir / f"hf{step}"
+            # bf16 on disk: an fp32 export with --dtype auto is served in float16.
+            subprocess.run([sys.executable, "-m", "pipeline.cli", "convert", "megatron-to-hf", "--ckpt", str(run_dir),
+                            "--out", str(out), "--tokenizer", str(self.tokenizer_dir), "--overwrite", "--dtype", "bf16",
+                            "--atol", "0.05"], check=True)
+            return out
+
+        server = SGLangServerSpec(model_path=str(export(1)), port=self.args.port, host="127.0.0.1", weight_version=1,
+                                  dtype="bfloat16", random_seed=0, enable_deterministic_inference=True)
+        engine = SGLangEngine.launch([server], log_dir=self.workdir / "sglang")
+        try:
+            prompts = [encode_prompt(self.tokenizer, f"What is {a} + {a + 1}?") for a in range(8)]
+            requests = [GenerationRequest(prompt_id=str(i), prompt_token_ids=p, num_samples=2)
+                        for i, p in enumerate(prompts)]
+            params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1)
+
+            def mismatch() -> float:
+                completions = engine.generate(requests, params)
+                batch, engine_logprobs = to_train_batch(
+                    prompts, completions, torch.arange(len(prompts)).repeat_interleave(2),
+                    pad_id=self.tokenizer.pad_token_id)
+                _, metrics = logprob_mismatch(engine_logprobs, actor.compute_logprobs(batch), mask=batch.response_mask)
+                return float(metrics["mean_abs_diff"])
+
+            before = mismatch()
+            expect(before < 0.1, f"SGLang vs actor log-probs mean |Δ| {before:.4f} ≥ 0.1")
+            for _ in range(2):
+                actor.train_step(self.batch, CrossEntropyLoss())
+            engine.update_weights_from_disk(str(export(2)), version=2)
+            after = mismatch()
+            expect(engine.weight_version == 2 and after < 0.1, f"version {engine.weight_version}, mean |Δ| {after:.4f}")
+            return f"mean |Δ| {before:.4f}; after /update_weights_from_disk to version 2: {after:.4f}"
+        finally:
+            engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/tmp/winnow-gpu-smoke")
     parser.add_argument("--port", type=int, default=30123)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: this smoke test needs a GPU", file=sys.stderr)
-        return 2
+    parser.add_argument("--fp8", choices=["off", "delayed", "current"], default="delayed",
+                        help="the FP8 recipe of the fp8 check (off: skip it)")
+    parser.add_argument("--skip-sglang", action="store_true", help="skip the SGLang server check")
+    args = parser.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
 
-    from pipeline.config import OptimConfig, TrainerConfig
-    from pipeline.models.layer_spec import FP8Options, select_layer_spec
-    from pipeline.models.spec import ModelSpec
-    from pipeline.models.tokenizer import encode_prompt, save_tokenizer, train_tokenizer
-    from pipeline.parallel.rendezvous import initialize_process_context
-    from pipeline.rl.rollouts import to_train_batch
-    from pipeline.rollout.mismatch import logprob_mismatch
-    from pipeline.rollout.sglang_api import SGLangServerSpec
-    from pipeline.rollout.sglang_engine import SGLangEngine
-    from pipeline.rollout.types import GenerationRequest, SamplingParams
-    from pipeline.stages.bootstrap import encode_example, make_batch
-    from pipeline.trainer.actor import Actor
-    from pipeline.checkpoint.manager import CheckpointManager
-    from pipeline.trainer.losses import CrossEntropyLoss
+    run_check("environment", workdir, functools.partial(probe_environment, args))
+    smoke: list[Smoke] = []
 
-    results = []
-    texts = [f"What is {a} + {b}? {a} + {b} = {a + b}. \\boxed{{{a + b}}}" for a in range(30) for b in range(30)]
-    tokenizer = train_tokenizer(texts, vocab_size=128)
-    tokenizer_dir = save_tokenizer(tokenizer, workdir / "tokenizer")
-    vocab = ((len(tokenizer) + 15) // 16) * 16  # FP8 GEMMs want multiples of 16
-    spec = ModelSpec(family="llama", vocab_size=vocab, hidden_size=256, ffn_hidden_size=704, num_layers=4,
-                     num_attention_heads=8, num_query_groups=4, max_position_embeddings=128)
-    _, choice = select_layer_spec(spec, fp8=FP8Options(enabled=True, recipe="delayed"))
-    results.append(check("layer spec", choice.name == "te" and choice.fp8_recipe == "delayed", str(choice.to_dict())))
+    def setup() -> str:
+        smoke.append(Smoke(args, workdir))
+        return f"one-rank {smoke[0].context.backend} group on {smoke[0].context.device}"
 
-    context = initialize_process_context(seed=0)
-    actor = Actor(spec=spec, context=context, optim=OptimConfig(lr=1e-3), seed=0,
-                  trainer=TrainerConfig(micro_batch_tokens=8192, precision="bf16", fp8="delayed"))
-    examples = [encode_example(tokenizer, t.split("?")[0] + "?", t.split("? ", 1)[1]) for t in texts[:256]]
-    batch = make_batch(examples, pad_id=tokenizer.pad_token_id)
-    steps = [actor.train_step(batch, CrossEntropyLoss()) for _ in range(20)]
-    results.append(check("TE FP8 training", steps[-1].loss < steps[0].loss and not any(s.skipped for s in steps),
-                         f"loss {steps[0].loss:.3f} → {steps[-1].loss:.3f}"))
-
-    def export(step: int) -> Path:
-        run_dir = workdir / f"run{step}"
-        CheckpointManager(run_dir, keep_last=1).save(step, actor=actor)
-        out = workdir / f"hf{step}"
-        subprocess.run([sys.executable, "-m", "pipeline.cli", "convert", "megatron-to-hf", "--ckpt", str(run_dir),
-                        "--out", str(out), "--tokenizer", str(tokenizer_dir), "--overwrite", "--atol", "0.05"],
-                       check=True)
-        return out
-
-    engine = SGLangEngine.launch([SGLangServerSpec(model_path=str(export(1)), port=args.port, host="127.0.0.1",
-                                                   weight_version=1)], log_dir=workdir / "sglang")
-    try:
-        prompts = [encode_prompt(tokenizer, f"What is {a} + {a + 1}?") for a in range(8)]
-        requests = [GenerationRequest(prompt_id=str(i), prompt_token_ids=p, num_samples=2) for i, p in enumerate(prompts)]
-        params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1)
-
-        def mismatch() -> float:
-            completions = engine.generate(requests, params)
-            batch, engine_logprobs = to_train_batch(prompts, completions, torch.arange(len(prompts)).repeat_interleave(2),
-                                                    pad_id=tokenizer.pad_token_id)
-            _, metrics = logprob_mismatch(engine_logprobs, actor.compute_logprobs(batch), mask=batch.response_mask)
-            return float(metrics["mean_abs_diff"])
-
-        before = mismatch()
-        results.append(check("SGLang vs actor log-probs", before < 0.1, f"mean |Δ| = {before:.4f}"))
-        for _ in range(2):
-            actor.train_step(batch, CrossEntropyLoss())
-        engine.update_weights_from_disk(str(export(2)), version=2)
-        after = mismatch()
-        results.append(check("weight update from disk", engine.weight_version == 2 and after < 0.1,
-                             f"version {engine.weight_version}, mean |Δ| = {after:.4f}"))
-    finally:
-        engine.close()
-    return 0 if all(results) else 1
+    run_check("setup", workdir, setup, needs=("environment",))
+    for name, method, needs in (
+        ("local-bf16", "local_bf16", ("setup",)),
+        ("te-bf16", "te_bf16", ("setup",)),
+        ("te-weight-sync", "te_weight_sync", ("te-bf16",)),
+        ("fp8", "fp8", ("setup",)),
+        ("sglang", "sglang", ("te-bf16",)),
+    ):
+        run_check(name, workdir, lambda method=method: getattr(smoke[0], method)(), needs=needs)
+    counts = {status: [n for n, s in RESULTS.items() if s == status] for status in ("PASS", "SKIP", "FAIL")}
+    print(f"{len(counts['PASS'])} passed, {len(counts['SKIP'])} skipped, {len(counts['FAIL'])} failed"
+          + (f": {', '.join(counts['FAIL'])}" if counts["FAIL"] else ""), flush=True)
+    return 1 if counts["FAIL"] else 0
 
 
 if __name__ == "__main__":

@@ -55,6 +55,19 @@ class ExportConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ConvertConfig:
+    """The campaign's conversion stage: ``winnow convert hf-to-megatron`` of the base model, once.
+
+    The trainer starts from a winnow checkpoint, the SGLang servers from the Hugging Face
+    folder: an H100 campaign converts the folder here and hands each side its own format.
+    """
+
+    hf: str = option(help="the Hugging Face model folder")
+    out: str = option(help="the winnow run directory to create (replaced atomically on a rerun)")
+    verify: bool = option(True, help="compare the converted checkpoint's logits with the HF model's")
+
+
+@dataclass(kw_only=True, slots=True)
 class RolloutServers:
     """SGLang servers on nodes of their own, next to the trainer nodes of the same job."""
 
@@ -63,6 +76,10 @@ class RolloutServers:
     tensor_parallel: int = option(1, ge=1, help="SGLang --tp-size of each server")
     port: int = option(30000, ge=1024, le=65000, help="port of a node's first server; the next ones count up")
     extra_args: list[str] = option(default_factory=list, help="more `sglang.launch_server` arguments")
+    model_path: str | None = option(
+        None, help="the Hugging Face folder the servers load at start (null: the rl stage's policy, which must "
+                   "then be one); the trainer's policy is the same weights converted"
+    )
     startup_timeout_s: float = option(1800.0, gt=0, help="how long the trainer waits for every server's /health")
 
 
@@ -86,8 +103,8 @@ class Resources:
         return self.nodes + (self.rollout.nodes if self.rollout else 0)
 
 
-# kind → config class: every stage, and the export of a run to Hugging Face.
-CAMPAIGN_STAGE_CONFIGS: dict[str, type] = {**STAGE_CONFIGS, "export": ExportConfig}
+# kind → config class: every stage, the export of a run to Hugging Face, the conversion of a base model.
+CAMPAIGN_STAGE_CONFIGS: dict[str, type] = {**STAGE_CONFIGS, "export": ExportConfig, "convert": ConvertConfig}
 # Kinds with more than one rank.
 MULTI_RANK_KINDS = ("bootstrap", "rl")
 
@@ -111,7 +128,7 @@ class Stage:
                               f"(got {self.resources.num_ranks}); only {', '.join(MULTI_RANK_KINDS)} run on more")
         if self.resources.rollout is not None and self.kind != "rl":
             raise ConfigError(f"stages.{self.name}.resources.rollout: only rl stages use rollout servers")
-        if self.resources.rollout is not None and not self.config.policy:
+        if self.resources.rollout is not None and not (self.resources.rollout.model_path or self.config.policy):
             raise ConfigError(f"stages.{self.name}.config.policy: SGLang servers need a Hugging Face policy "
                               "folder to serve (the bootstrap policy is a winnow checkpoint)")
 
@@ -343,6 +360,15 @@ def _run_export(cfg: ExportConfig, *, context, out) -> StageOutcome:  # noqa: AR
     return "done"
 
 
+def _run_convert(cfg: ConvertConfig, *, context, out) -> StageOutcome:  # noqa: ARG001 - its own one-rank megatron
+    from pipeline.checkpoint.convert import hf_to_megatron
+
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    summary = hf_to_megatron(hf=cfg.hf, out=cfg.out, verify=cfg.verify, overwrite=True)
+    out(summary.format())
+    return "done"
+
+
 STAGE_RUNNERS: dict[str, Callable[..., StageOutcome]] = {
     "bootstrap": _run_bootstrap,
     "curate": _run_curate,
@@ -350,6 +376,7 @@ STAGE_RUNNERS: dict[str, Callable[..., StageOutcome]] = {
     "rl": _run_rl,
     "evaluate": _run_evaluate,
     "export": _run_export,
+    "convert": _run_convert,
 }
 assert set(STAGE_RUNNERS) == set(CAMPAIGN_STAGE_CONFIGS)
 

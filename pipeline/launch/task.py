@@ -74,9 +74,12 @@ def sglang_server_commands(stage: Stage, *, host: str, python: str = sys.executa
     rollout = stage.resources.rollout
     assert rollout is not None
     cfg = stage.config
+    # The servers' own HF folder when the trainer's policy is its converted checkpoint.
+    model_path = rollout.model_path or cfg.policy
+    tokenizer = rollout.model_path or cfg.tokenizer or cfg.policy
     return [
-        [python, "-m", "sglang.launch_server", "--model-path", cfg.policy,
-         "--tokenizer-path", cfg.tokenizer or cfg.policy, "--host", host, "--port", str(rollout.port + index),
+        [python, "-m", "sglang.launch_server", "--model-path", model_path,
+         "--tokenizer-path", tokenizer, "--host", host, "--port", str(rollout.port + index),
          "--tp-size", str(rollout.tensor_parallel), "--base-gpu-id", str(index * rollout.tensor_parallel),
          *rollout.extra_args]
         for index in range(rollout.servers_per_node)

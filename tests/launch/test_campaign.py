@@ -12,6 +12,7 @@ from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import (
     CampaignPlan,
     CampaignStatus,
+    ConvertConfig,
     ExportConfig,
     Resources,
     RolloutServers,
@@ -84,7 +85,8 @@ def test_plan_round_trips_through_campaign_json(tmp_path):
     plan.save()
     loaded = CampaignPlan.load(tmp_path)
     assert loaded.to_dict() == plan.to_dict()
-    assert loaded.stage("rl-default").resources.rollout == RolloutServers(nodes=1, servers_per_node=8)
+    assert loaded.stage("rl-default").resources.rollout == RolloutServers(nodes=1, servers_per_node=8,
+                                                                          model_path="/models/Qwen2.5-Math-7B")
 
 
 def test_overrides_reach_one_stage_and_are_validated(tmp_path):
@@ -124,8 +126,14 @@ def test_hf_campaign_starts_every_stage_from_the_model(tmp_path):
     plan = qwen25_math_7b(output_dir=tmp_path, model_dir="/m/q7")
     assert "bootstrap" not in [s.name for s in plan.stages]
     assert plan.stage("curate").config.policy == "/m/q7"
-    assert plan.stage("rl-grpo").config.policy == "/m/q7"
     assert plan.stage("evaluate-default").config.tokenizer == "/m/q7"
+    # The trainer refuses an HF folder and SGLang needs one: each gets its own format.
+    convert = plan.stage("convert")
+    assert convert.config == ConvertConfig(hf="/m/q7", out=str(tmp_path / "base")) and convert.depends_on == ()
+    for name in ("rl-default", "rl-grpo"):
+        rl = plan.stage(name)
+        assert rl.config.policy == str(tmp_path / "base") and rl.depends_on[0] == "convert"
+        assert rl.resources.rollout.model_path == "/m/q7"
 
 
 def test_status_file_records_attempts_and_times(tmp_path):
@@ -174,6 +182,6 @@ def test_stage_kinds_and_configs_match_the_cli():
     from pipeline.launch.campaign import CAMPAIGN_STAGE_CONFIGS
 
     for kind, cls in CAMPAIGN_STAGE_CONFIGS.items():
-        if kind != "export":  # export's options are `winnow convert megatron-to-hf` flags
+        if kind not in ("export", "convert"):  # their options are `winnow convert` flags
             assert COMMAND_CONFIGS[kind] is cls
     assert CAMPAIGN_STAGE_CONFIGS["bootstrap"] is BootstrapConfig and CAMPAIGN_STAGE_CONFIGS["curate"] is CurateConfig

@@ -82,8 +82,10 @@ def test_rollout_urls_follow_the_trainer_nodes():
     commands = task.sglang_server_commands(stage, host="gpu-7", python="py")
     assert [c[c.index("--base-gpu-id") + 1] for c in commands] == ["0", "2", "4", "6"]
     assert all(c[c.index("--host") + 1] == "gpu-7" for c in commands)  # the node's name, never 0.0.0.0
-    assert all(c[c.index("--tp-size") + 1] == "2" and c[c.index("--model-path") + 1] == stage.config.policy
-               for c in commands)
+    # The servers load the HF folder; the trainer's policy is its converted checkpoint.
+    assert stage.resources.rollout.model_path == "/models/Llama-3.1-8B-Instruct" != stage.config.policy
+    assert all(c[c.index("--tp-size") + 1] == "2" and c[c.index("--model-path") + 1] == "/models/Llama-3.1-8B-Instruct"
+               and c[c.index("--tokenizer-path") + 1] == "/models/Llama-3.1-8B-Instruct" for c in commands)
 
 
 def test_with_servers_switches_the_engine(tmp_path):
