@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline import configlib
+from pipeline.cli.common import run_handler
 from pipeline.config import (
     STAGE_CONFIGS,
     BootstrapConfig,
@@ -22,7 +23,7 @@ from pipeline.config import (
     DemoConfig,
     RLConfig,
 )
-from pipeline.errors import EXIT_USER_ERROR, UserError
+from pipeline.errors import EXIT_USER_ERROR, UserError  # noqa: F401 (EXIT_USER_ERROR: the status callers check)
 
 # Every command whose options are a config dataclass (`winnow config show|docs`).
 COMMAND_CONFIGS: dict[str, type] = dict(sorted({**STAGE_CONFIGS, "data-inspect": DataInspectConfig,
@@ -374,9 +375,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for pattern in BENIGN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
-    args = build_parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except (UserError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    return run_handler(build_parser().parse_args(argv))

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from typing import Sequence
 
 from pipeline.checkpoint.convert import EXPORT_DTYPES, hf_to_megatron, megatron_to_hf
 from pipeline.checkpoint.gate import GATE_ATOL
-from pipeline.errors import EXIT_USER_ERROR, UserError
+from pipeline.cli.common import run_handler
 
 __all__ = [
     "add_hf_to_megatron_arguments",
@@ -144,9 +143,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one conversion; a ``UserError`` prints ``error: ...`` and returns 2, as ``winnow`` does."""
-    args = build_parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except (UserError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    return run_handler(build_parser().parse_args(argv))
