@@ -303,6 +303,15 @@ class DepoConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RolloutCorrectionConfig:
+    level: Literal["token", "sequence"] = option(
+        "token", help="importance ratio per token, or one per sample (geometric mean over its tokens)"
+    )
+    upper: float = option(2.0, ge=1.0, help="C: tis truncates ratios above it (Yao et al. use 2); mis masks them")
+    lower: float = option(0.0, ge=0.0, le=1.0, help="mis only: also mask ratios below this")
+
+
+@dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     engine: Literal["local", "sglang"] = option(
         "local", help="local: a Hugging Face model in the trainer process (CPU, tests); sglang: HTTP servers"
@@ -354,6 +363,11 @@ class AlgorithmConfig:
     cw_grpo_scope: Literal["group", "batch"] = option("group", help="CW-GRPO covariance statistics scope")
     temperature: Literal["fixed", "e3"] = option("fixed", help="TEMPERATURES entry: the run's fixed temperature, or E3's entropy controller starting from it")
     e3: E3TemperatureConfig = section(E3TemperatureConfig, help="E3 temperature scheduler (Eq. 4–5)")
+    rollout_correction: Literal["none", "tis", "mis"] = option(
+        "none", help="ROLLOUT_CORRECTIONS entry: correct the engine/trainer log-prob gap by truncated (tis) or "
+        "masked (mis) importance ratios π_old/π_rollout"
+    )
+    correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, help="rollout correction thresholds")
     prompt_filter: Literal["none", "depo"] = option("none", help="PROMPT_FILTERS entry: drop prompts before rollout")
     depo: DepoConfig = section(DepoConfig, help="DEPO estimator, filter and online updates")
     budget: Literal["uniform", "e3", "ada_est"] = option(

@@ -13,6 +13,9 @@ each slot:
 ``TOKEN_WEIGHTS``    ``(advantages=, entropy=, logprobs=, response_mask=, group_ids=, sample_keep_mask=)
                      -> (weights, metrics)``; ``advantages`` ``(S,)``, the rest ``(S, T)``; ``weights``
                      non-negative ``(S, T)`` without gradient.
+``ROLLOUT_CORRECTIONS`` ``(old_logprobs=, engine_logprobs=, response_mask=) -> ((weights, keep), metrics)``,
+                     all ``(S, T)``: importance weights for the engine/trainer gap (TIS), or a keep
+                     mask (MIS); applied before the token weightings.
 ``POLICY_LOSSES``    a ``pipeline.trainer.losses.PolicyLoss`` (``method.loss``) the actor minimises.
 ``TEMPERATURES``     ``method.value``: τ of the next rollout; ``update`` may change it (E3).
 
@@ -42,6 +45,7 @@ from pipeline.algorithms.e3 import TemperatureScheduler
 from pipeline.algorithms.losses import grpo_loss, gspo_loss
 from pipeline.algorithms.pods import pods_select
 from pipeline.algorithms.reinforce_ada import balanced_downsample
+from pipeline.algorithms.rollout_correction import rollout_correction
 from pipeline.config import AlgorithmConfig
 from pipeline.rl.registry import Method, MethodSetting, Metrics, Registry, StepEnd
 from pipeline.trainer.losses import PolicyLoss
@@ -51,6 +55,7 @@ SAMPLE_SELECTORS = Registry("sample selector")
 TOKEN_WEIGHTS = Registry("token weighting")
 POLICY_LOSSES = Registry("policy loss")
 TEMPERATURES = Registry("temperature")
+ROLLOUT_CORRECTIONS = Registry("rollout correction")
 
 D3S_SCHEDULE = "d3s_schedule"
 
@@ -196,6 +201,37 @@ class CovarianceWeights(Method):
                                      response_mask=response_mask, group_ids=group_ids, scope=self.scope)
 
 
+# ---------------------------------------------------------------------------- rollout correction
+
+
+@ROLLOUT_CORRECTIONS.register("none")
+class NoCorrection(Method):
+    def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
+        pass
+
+    def __call__(self, *, old_logprobs, engine_logprobs, response_mask) -> tuple[tuple[None, None], Metrics]:  # noqa: ARG002
+        return (None, None), {}
+
+
+class ImportanceCorrection(Method):
+    """Truncated (TIS) or masked (MIS) importance ratios π_old/π_rollout, per token or per sample."""
+
+    needs_token_stats = True  # π_old: the trainer's log-probs of the rollout's tokens
+
+    def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting, *, mode: str) -> None:  # noqa: ARG002
+        self.mode, self.cfg = mode, cfg.correction
+
+    def __call__(self, *, old_logprobs, engine_logprobs, response_mask):
+        (weights, keep), metrics = rollout_correction(
+            old_logprobs=old_logprobs, engine_logprobs=engine_logprobs, response_mask=response_mask, mode=self.mode,
+            level=self.cfg.level, upper=self.cfg.upper, lower=self.cfg.lower)
+        return (weights, keep), {f"correction/{name}": value for name, value in metrics.items()}
+
+
+ROLLOUT_CORRECTIONS.add("tis", partial(ImportanceCorrection, mode="truncate"))
+ROLLOUT_CORRECTIONS.add("mis", partial(ImportanceCorrection, mode="mask"))
+
+
 # ---------------------------------------------------------------------------- policy losses
 
 
@@ -265,6 +301,7 @@ class Methods:
 
     advantage: Method
     sample_selector: Method
+    rollout_correction: Method
     token_weightings: list[Method]
     policy_loss: Method
     temperature: Method
@@ -277,6 +314,7 @@ class Methods:
     def components(self) -> dict[str, Method]:
         """Every method by its checkpoint name (shared components once)."""
         return {"advantage": self.advantage, "sample_selector": self.sample_selector,
+                "rollout_correction": self.rollout_correction,
                 **{f"token_weights.{i}": method for i, method in enumerate(self.token_weightings)},
                 "policy_loss": self.policy_loss, "temperature": self.temperature, **self.shared}
 
@@ -286,16 +324,21 @@ class Methods:
         return any(method.needs_token_stats for method in self.components().values())
 
     def token_weights(self, *, advantages: torch.Tensor, entropy: torch.Tensor | None,
-                      logprobs: torch.Tensor | None, response_mask: torch.Tensor, group_ids: torch.Tensor,
+                      logprobs: torch.Tensor | None, engine_logprobs: torch.Tensor | None,
+                      response_mask: torch.Tensor, group_ids: torch.Tensor,
                       keep_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
-        """Multiply the configured token weightings; returns (weights, token_mask, metrics).
+        """The rollout correction, then the configured token weightings, multiplied; (weights, token_mask, metrics).
 
-        D³S top-K yields 0/1 weights that define the token mask; later weightings (CW-GRPO)
-        see only the kept tokens, so CW's mean weight is 1 over the tokens in the loss.
+        MIS and D³S top-K yield 0/1 weights that define the token mask; later weightings
+        (CW-GRPO) see only the kept tokens, so CW's mean weight is 1 over the tokens in the loss.
         """
         weights = keep_mask[:, None].to(torch.float32) * response_mask  # (S, T)
         token_mask = response_mask & keep_mask[:, None]  # (S, T)
-        metrics: Metrics = {}
+        (correction, kept), metrics = self.rollout_correction(
+            old_logprobs=logprobs, engine_logprobs=engine_logprobs, response_mask=token_mask)
+        if correction is not None:
+            weights = weights * correction.to(weights.dtype)
+            token_mask = token_mask & kept
         for weighting in self.token_weightings:
             w, m = weighting(advantages=advantages, entropy=entropy, logprobs=logprobs, response_mask=token_mask,
                              group_ids=group_ids, sample_keep_mask=keep_mask)
@@ -324,6 +367,7 @@ def build_methods(cfg: AlgorithmConfig, setting: MethodSetting) -> Methods:
     return Methods(
         advantage=ADVANTAGES.build(cfg.advantage, cfg, setting),
         sample_selector=SAMPLE_SELECTORS.build(cfg.sample_selector, cfg, setting),
+        rollout_correction=ROLLOUT_CORRECTIONS.build(cfg.rollout_correction, cfg, setting),
         token_weightings=[TOKEN_WEIGHTS.build(name, cfg, setting) for name in cfg.token_weights],
         policy_loss=POLICY_LOSSES.build(cfg.loss, cfg, setting),
         temperature=TEMPERATURES.build(cfg.temperature, cfg, setting),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pipeline.rollout.mismatch import logprob_mismatch, tis_weights
+from pipeline.rollout.mismatch import logprob_mismatch
 from pipeline.rollout.types import (
     Completion,
     FinishReason,
@@ -37,7 +37,6 @@ __all__ = [
     "SGLangServerSpec",
     "SamplingParams",
     "logprob_mismatch",
-    "tis_weights",
 ]
 
 _LAZY = {

@@ -1,4 +1,4 @@
-"""Train/rollout log-prob mismatch metrics and truncated importance-sampling weights.
+"""Train/rollout log-prob mismatch metrics (the correction itself: ``pipeline.algorithms.rollout_correction``).
 
 The rollout engine samples from ``π_rollout`` (SGLang kernels, bf16, another
 parallel layout); the trainer recomputes ``π_train`` of the same tokens with its own
@@ -9,15 +9,11 @@ silently off-policy. With ``Δ = log π_train − log π_rollout`` per token:
     std(exp Δ)                            spread of the per-token ratio π_train / π_rollout
     frac(|Δ| > threshold)                 share of tokens that disagree materially
 
-Truncated importance sampling (TIS) corrects the policy gradient for the mismatch
-by weighting each token with ``w = min(π_old / π_rollout, C)`` — Ionides (2008),
-"Truncated Importance Sampling", J. Comput. Graph. Stat. 17(2), applied to LLM RL by
-Yao, Liu et al. (2025), "Your Efficient RL Framework Secretly Brings You Off-Policy
-RL Training" (fengyao.notion.site). ``π_old`` is
-the trainer's recomputation for the rollout's weights (the denominator of the PPO
-ratio), so ``w`` rescales the PPO objective token by token, with no gradient.
+The loop corrects for the gap with importance ratios π_old/π_rollout, truncated (TIS) or
+masked (MIS), per token or per sample (``algorithm.rollout_correction``; the pure function is
+``pipeline.algorithms.rollout_correction.rollout_correction``).
 
-Both functions are pure: masked positions are ignored (their inputs may hold any
+``logprob_mismatch`` is pure: masked positions are ignored (their inputs may hold any
 value, even ``±inf``/NaN), and a non-finite value at a masked-in position is a
 ``ValueError`` naming the tensor, because a −inf log-prob means a sampled token the
 other side considers impossible — a bug to fix, not to average over.
@@ -27,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["logprob_mismatch", "tis_weights"]
+__all__ = ["logprob_mismatch"]
 
 
 def _checked_delta(
@@ -92,33 +88,3 @@ def logprob_mismatch(
     metrics["num_tokens"] = float(num_tokens)
     return delta, metrics
 
-
-def tis_weights(
-    trainer_old_logprobs: torch.Tensor,
-    engine_logprobs: torch.Tensor,
-    *,
-    mask: torch.Tensor,
-    cap: float,
-) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
-    """Truncated IS weights ``min(exp(old − engine), cap)`` ``(…)``, 0 where masked out, no gradient.
-
-    ``cap`` ≥ 1 (Yao et al. use 2). Metrics: ``mean_weight`` and ``frac_capped`` over the
-    masked-in tokens (NaN when there are none), ``num_tokens``. The ratio is computed
-    in at least float32 and returned in that dtype.
-    """
-    if not cap >= 1.0:
-        raise ValueError(f"cap must be >= 1 (a cap below 1 down-weights on-policy tokens), got {cap}")
-    delta, mask = _checked_delta(trainer_old_logprobs, engine_logprobs, mask, trainer_name="trainer_old_logprobs")
-    ratio = delta.exp()
-    weights = torch.where(mask, ratio.clamp(max=cap), torch.zeros((), dtype=ratio.dtype))
-    num_tokens = int(mask.sum())
-    if num_tokens == 0:
-        nan = torch.tensor(float("nan"), dtype=torch.float64)
-        metrics: dict[str, float | torch.Tensor] = {"mean_weight": nan, "frac_capped": nan.clone()}
-    else:
-        metrics = {
-            "mean_weight": weights[mask].double().mean(),
-            "frac_capped": (ratio[mask] > cap).double().mean(),
-        }
-    metrics["num_tokens"] = float(num_tokens)
-    return weights, metrics

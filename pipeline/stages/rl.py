@@ -132,7 +132,7 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 if methods.needs_token_stats or cfg.trainer.old_logprobs == "recompute":
                     old_logprobs, entropy = actor.compute_token_stats(batch, temperature=temperature)
                 weights, token_mask, weight_metrics = methods.token_weights(
-                    advantages=advantages, entropy=entropy, logprobs=old_logprobs,
+                    advantages=advantages, entropy=entropy, logprobs=old_logprobs, engine_logprobs=engine_logprobs,
                     response_mask=batch.response_mask, group_ids=rollouts.group_ids, keep_mask=keep_mask)
                 metrics.update(weight_metrics)
                 batch.advantages = advantages[:, None] * weights  # (S, T)

@@ -106,3 +106,21 @@ def test_registry_names_unknown_entries_and_refuses_duplicates():
         registry.add("a", lambda cfg, setting: Method())
     with pytest.raises(ValueError, match=r"unknown widget 'b'; choose one of \['a'\]"):
         registry.build("b", AlgorithmConfig(), _setting())
+
+
+def test_rollout_corrections_weight_or_mask_before_the_token_weightings():
+    response = torch.ones(2, 2, dtype=torch.bool)
+    old = torch.log(torch.tensor([[3.0, 1.0], [1.0, 1.0]]))  # (S, T): token ratios π_old/π_rollout = (3, 1), (1, 1)
+    engine = torch.zeros(2, 2)
+    common = dict(advantages=torch.ones(2), entropy=None, logprobs=old, engine_logprobs=engine,
+                  response_mask=response, group_ids=torch.tensor([0, 0]), keep_mask=torch.ones(2, dtype=torch.bool))
+    tis = build_methods(AlgorithmConfig(rollout_correction="tis"), _setting())
+    weights, token_mask, metrics = tis.token_weights(**common)
+    assert weights.tolist() == [[2.0, 1.0], [1.0, 1.0]] and bool(token_mask.all())
+    assert metrics["correction/corrected_fraction"] == 0.25 and tis.needs_token_stats
+    mis = build_methods(AlgorithmConfig(rollout_correction="mis"), _setting())
+    weights, token_mask, _ = mis.token_weights(**common)
+    assert token_mask.tolist() == [[False, True], [True, True]] and weights.tolist() == [[0.0, 1.0], [1.0, 1.0]]
+    none = build_methods(AlgorithmConfig(), _setting())
+    weights, token_mask, metrics = none.token_weights(**common)
+    assert bool(weights.eq(1).all()) and bool(token_mask.all()) and metrics == {}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -62,8 +60,10 @@ def _strip_times(rows):
 
 
 @pytest.mark.slow
-def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, bootstrap_cache_dir):
-    shared = [f"bootstrap.cache_dir={bootstrap_cache_dir}"]
+@pytest.mark.parametrize("extra", [[], ["algorithm.rollout_correction=tis", "algorithm.correction.level=sequence"]],
+                         ids=["grpo", "grpo_with_sequence_tis"])
+def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, bootstrap_cache_dir, extra):
+    shared = [f"bootstrap.cache_dir={bootstrap_cache_dir}", *extra]
     straight = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "a"), shared, None))[0]
     resumed = run_distributed(_rl_worker, world_size=1, args=(str(tmp_path / "b"), shared, 2))[0]
     for name, value in straight["weights"].items():
@@ -75,6 +75,9 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, bootstrap
     assert final["ledger/tokens_generated"] > final["ledger/tokens_with_gradient"] >= 0
     assert (tmp_path / "a" / "run" / "stats.parquet").is_file()
     assert (tmp_path / "a" / "run" / "plots" / "reward.png").is_file()
+    if extra:  # the correction ran on every step and logged what it did
+        assert all(0.0 <= row["correction/corrected_fraction"] <= 1.0 and row["correction/ratio_mean"] > 0
+                   for row in straight["rows"][1:])
 
 
 @pytest.mark.slow
@@ -87,6 +90,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, bootstrap
      "algorithm.e3_budget.max_limit=8", 'data.train=["arith?difficulty=1&size=6"]'],
     ["algorithm.budget=ada_est", "algorithm.ada_est.min_budget=2", "algorithm.ada_est.max_budget=8",
      'data.train=["arith?difficulty=1&size=6"]'],
+    ["algorithm.rollout_correction=mis", "algorithm.correction.upper=1.001", "algorithm.correction.lower=0.999"],
 ])
 def test_method_combinations_run_and_log_their_metrics(tmp_path, bootstrap_cache_dir, extra):
     outcome = run_distributed(_rl_worker, world_size=1, args=(
@@ -106,6 +110,10 @@ def test_method_combinations_run_and_log_their_metrics(tmp_path, bootstrap_cache
         # 6 prompts, 4 per step: the first pass ends in step 2 and E3 widens its bounds.
         assert rows[1]["e3/g_max"] == 4.0 and rows[-1]["e3/g_max"] > 4.0
         assert all(row["dapo/rounds"] >= 1 for row in rows[1:])
+    if "algorithm.rollout_correction=mis" in extra:
+        # HF engine vs Megatron trainer kernels: a band of ±0.1% masks some tokens out of the loss.
+        assert all(0.0 <= row["correction/corrected_fraction"] <= 1.0 for row in rows[1:])
+        assert all(row["kept_token_ratio"] <= 1.0 - row["correction/corrected_fraction"] + 1e-9 for row in rows[1:])
     if "algorithm.budget=ada_est" in extra:
         assert any(row["budget/samples_per_prompt_max"] > 4 for row in rows[2:])  # revisited prompts get unequal budgets
         assert all(row["budget/mean"] == 4.0 for row in rows[1:])  # Σ N = B·G

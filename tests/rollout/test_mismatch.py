@@ -1,4 +1,4 @@
-"""logprob_mismatch and tis_weights: loop references, hand cases, edge cases, properties."""
+"""logprob_mismatch: loop reference, hand case, edge cases (the correction: tests/algorithms/test_rollout_correction.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from pipeline.rollout.mismatch import logprob_mismatch, tis_weights
+from pipeline.rollout.mismatch import logprob_mismatch
 
 
 def _mismatch_reference(engine, trainer, mask, threshold):
@@ -72,64 +70,8 @@ def test_non_finite_inside_mask_raises_outside_is_ignored() -> None:
     assert metrics["max_abs_diff"].item() == 0.0
     with pytest.raises(ValueError, match="engine_logprobs has a non-finite"):
         logprob_mismatch(engine, trainer, mask=torch.tensor([True, True]))
-    with pytest.raises(ValueError, match="trainer_old_logprobs has a non-finite"):
-        tis_weights(trainer.flip(0) * float("nan"), trainer, mask=torch.tensor([True, True]), cap=2.0)
 
 
 def test_shape_mismatch_raises() -> None:
     with pytest.raises(ValueError, match="shape"):
         logprob_mismatch(torch.zeros(2, 3), torch.zeros(2, 4), mask=torch.ones(2, 3))
-    with pytest.raises(ValueError, match="shape"):
-        tis_weights(torch.zeros(2, 3), torch.zeros(2, 3), mask=torch.ones(3, 2), cap=2.0)
-
-
-def test_tis_hand_case() -> None:
-    # old − engine = [0.5, −0.5, 0.0, (masked)] → ratios [1.6487, 0.6065, 1.0]
-    # cap 1.5 → weights [1.5, 0.60653066, 1.0, 0]; capped 1 of 3; mean 3.10653066 / 3
-    old = torch.tensor([-1.0, -1.0, -3.0, -0.2])
-    engine = torch.tensor([-1.5, -0.5, -3.0, -5.0])
-    mask = torch.tensor([True, True, True, False])
-    weights, metrics = tis_weights(old, engine, mask=mask, cap=1.5)
-    torch.testing.assert_close(weights, torch.tensor([1.5, 0.60653066, 1.0, 0.0]))
-    assert metrics["frac_capped"].item() == pytest.approx(1 / 3)
-    assert metrics["mean_weight"].item() == pytest.approx(3.10653066 / 3, rel=1e-6)
-    assert metrics["num_tokens"] == 3.0
-
-
-def test_tis_has_no_gradient_and_rejects_cap_below_one() -> None:
-    old = torch.tensor([-1.0, -2.0], requires_grad=True)
-    engine = torch.tensor([-1.2, -1.9], requires_grad=True)
-    weights, _ = tis_weights(old, engine, mask=torch.ones(2), cap=2.0)
-    assert not weights.requires_grad
-    with pytest.raises(ValueError, match="cap"):
-        tis_weights(old, engine, mask=torch.ones(2), cap=0.5)
-
-
-def test_tis_fully_masked() -> None:
-    weights, metrics = tis_weights(torch.zeros(3), torch.zeros(3), mask=torch.zeros(3), cap=2.0)
-    assert torch.equal(weights, torch.zeros(3)) and metrics["num_tokens"] == 0.0
-    assert math.isnan(metrics["mean_weight"].item())
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    cap=st.floats(1.0, 10.0),
-    noise=st.floats(0.0, 3.0),
-)
-def test_property_tis_weights_are_the_capped_ratio(seed: int, cap: float, noise: float) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    engine = -torch.rand(4, 16, generator=generator, dtype=torch.float64) * 6
-    old = engine + torch.randn(4, 16, generator=generator, dtype=torch.float64) * noise
-    mask = torch.rand(4, 16, generator=generator) > 0.2
-    weights, metrics = tis_weights(old, engine, mask=mask, cap=cap)
-    ratio = (old - engine).exp()
-    assert (weights[mask] <= cap).all() and (weights[mask] > 0).all() and (weights[~mask] == 0).all()
-    below = mask & (ratio <= cap)
-    torch.testing.assert_close(weights[below], ratio[below])
-    assert (weights[mask & (ratio > cap)] == cap).all()
-    # Identical policies: no mismatch, unit weights.
-    same, _ = tis_weights(engine, engine, mask=mask, cap=cap)
-    assert (same[mask] == 1).all()
-    delta, mismatch = logprob_mismatch(engine, engine, mask=mask)
-    assert (delta == 0).all() and mismatch["max_abs_diff"].item() == 0 and mismatch["ratio_std"].item() == 0
