@@ -402,8 +402,16 @@ class RLConfig:
         default_factory=lambda: DataConfig(train=["arith?difficulty=3&size=4000"], template="raw"),
         help="training prompts",
     )
-    eval_set: str = option("arith?difficulty=3&size=400", help="held-out set (its test split) scored at start and end")
+    eval_set: str = option(
+        "arith?difficulty=3&size=400",
+        help="held-out set scored at the start and the end: a benchmark or synthetic spec (its test split unless "
+             "the spec names one) or a .jsonl/.parquet file (read whole)",
+    )
     eval_samples: int = option(4, ge=1, help="samples per held-out problem (sampled pass@1 = avg over them)")
+    eval_limit: int | None = option(
+        None, ge=1, help="score a seeded random subset of this many held-out problems (null: all of them)"
+    )
+    eval_every: int = option(0, ge=0, help="also score the held-out set every this many steps (0: start and end only)")
     prompts_per_step: int = option(16, ge=1, help="prompts per RL step (B)")
     group_size: int = option(8, ge=1, help="samples per prompt (G)")
     max_new_tokens: int = option(48, ge=1, help="generation length limit")

@@ -14,6 +14,14 @@
     attribute). Without one (no tokenizer, or a base model's tokenizer with
     ``chat_template=None``) the ``plain`` text is returned, so one config serves base
     and instruct models.
+
+``prompt_token_ids`` is the one encoding every stage (curation, RL, evaluation) feeds the
+engine: ``chat`` gives exactly the ids of ``tokenizer.apply_chat_template(messages,
+add_generation_prompt=True, tokenize=True)`` (the template writes the model's start
+tokens); ``raw`` and ``plain`` give the rendered text encoded with the tokenizer's own
+special-token settings (``add_special_tokens=True``: Llama 3 prepends
+``<|begin_of_text|>``, Qwen2.5 adds nothing). A prompt never starts with two BOS tokens
+(``pipeline.models.tokenizer``).
 """
 
 from __future__ import annotations
@@ -53,13 +61,10 @@ def has_chat_template(tokenizer: object | None) -> bool:
 
 
 def render_chat(problem: str, *, tokenizer: ChatTokenizer | None = None) -> str:
-    text = render_plain(problem)
     if not has_chat_template(tokenizer):
-        return text
+        return render_plain(problem)
     assert tokenizer is not None
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
+    rendered = tokenizer.apply_chat_template(chat_messages(problem), tokenize=False, add_generation_prompt=True)
     if not isinstance(rendered, str):
         raise ValueError(
             f"chat template: {type(tokenizer).__name__}.apply_chat_template(tokenize=False) returned "
@@ -79,8 +84,17 @@ def render_prompt(prompt: Prompt | str, *, template: str, tokenizer: ChatTokeniz
     return TEMPLATES[template](problem, tokenizer=tokenizer)
 
 
+def chat_messages(problem: str) -> list[dict[str, str]]:
+    """The conversation the ``chat`` template renders: the ``plain`` text as one user turn."""
+    return [{"role": "user", "content": render_plain(problem)}]
+
+
 def prompt_token_ids(tokenizer, prompt: Prompt | str, *, template: str) -> list[int]:
     """A ``Prompt`` rendered with ``template`` and encoded exactly as every stage feeds the engine."""
-    from pipeline.models.tokenizer import encode_prompt
+    from pipeline.models.tokenizer import encode_chat, encode_prompt
 
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown prompt template {template!r}; known: {sorted(TEMPLATES)}")
+    if template == "chat" and has_chat_template(tokenizer):
+        return encode_chat(tokenizer, chat_messages(prompt.problem if isinstance(prompt, Prompt) else prompt))
     return encode_prompt(tokenizer, render_prompt(prompt, template=template, tokenizer=tokenizer))

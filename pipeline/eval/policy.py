@@ -57,13 +57,16 @@ class LoadedPolicy:
 
     ``spec_or_config`` is the checkpoint's ``ModelSpec`` (winnow checkpoints) or the
     model's ``transformers`` config (HF folders). ``source`` is ``"hf:<folder>"`` or
-    ``"megatron:<step directory>"``: the exact weights evaluated.
+    ``"megatron:<step directory>"``: the exact weights evaluated. ``tokenizer_dir``: the
+    folder the tokenizer was loaded from (its ``generation_config.json``, when it has one,
+    names the model's stop tokens).
     """
 
     hf_model: torch.nn.Module
     tokenizer: Any
     spec_or_config: Any
     source: str
+    tokenizer_dir: Path | None = None
 
     @property
     def kind(self) -> Literal["hf", "megatron"]:
@@ -129,7 +132,7 @@ def _load_hf_folder(folder: Path, *, tokenizer: str | Path | None, dtype: torch.
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), local_files_only=True, trust_remote_code=False, dtype=dtype
     ).eval()
-    return LoadedPolicy(model, _load_tokenizer(tokenizer_dir), model.config, f"hf:{folder.resolve()}")
+    return LoadedPolicy(model, _load_tokenizer(tokenizer_dir), model.config, f"hf:{folder.resolve()}", tokenizer_dir)
 
 
 def _checkpoint_run_dir(directory: Path) -> Path:
@@ -156,7 +159,7 @@ def _load_winnow_checkpoint(
         raise PolicyError(str(error)) from error
     tokenizer_dir = _tokenizer_dir(tokenizer, candidates=tokenizer_candidates(step_dir))
     model = _megatron_weights_as_hf(step_dir, spec=spec, context=context).to(dtype)
-    return LoadedPolicy(model, _load_tokenizer(tokenizer_dir), spec, f"megatron:{step_dir.resolve()}")
+    return LoadedPolicy(model, _load_tokenizer(tokenizer_dir), spec, f"megatron:{step_dir.resolve()}", tokenizer_dir)
 
 
 def _megatron_weights_as_hf(step_dir: Path, *, spec, context) -> torch.nn.Module:

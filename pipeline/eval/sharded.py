@@ -21,10 +21,13 @@ The two rules both stages follow:
 * device (``resolve_device``): ``auto`` is CUDA when available, else the CPU; an explicit
   ``cuda`` or ``cuda:N`` without CUDA is a ``ConfigError`` naming ``device``; anything else
   is passed to torch as given;
-* stop tokens (``stop_token_ids``): the tokenizer's EOS, plus a Hugging Face folder's own EOS
-  ids (instruct models list several in ``generation_config``). A winnow checkpoint's HF model
-  is built from its ``ModelSpec`` and carries only ``transformers``' default ids (Llama's 2,
-  whatever the tokenizer says), so there the tokenizer alone decides.
+* stop tokens (``stop_token_ids``): ``pipeline.models.tokenizer.stop_token_ids``, the rule RL
+  uses too: the tokenizer's EOS plus the model's ``generation_config`` EOS ids (instruct models
+  list several), read from a Hugging Face folder's model or from the ``generation_config.json``
+  next to a winnow checkpoint's tokenizer (conversion copies it there). A winnow checkpoint's
+  HF model is built from its ``ModelSpec`` and carries only ``transformers``' default ids
+  (Llama's 2, whatever the tokenizer says), so its own generation config is not consulted.
+  The ids reach the engine both as its EOS and in every ``SamplingParams.stop_token_ids``.
 
 Samples are reproducible on one device type (CPU and GPU kernels differ in the last bits).
 """
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -64,17 +67,16 @@ def resolve_device(choice: str) -> str:
 
 
 def stop_token_ids(policy) -> list[int]:
-    """Stop tokens of a ``LoadedPolicy``: its tokenizer's EOS, plus an HF folder's own (see the module docstring)."""
-    ids: set[int] = set()
+    """Stop tokens of a ``LoadedPolicy`` (see the module docstring)."""
+    from pipeline.models.tokenizer import stop_token_ids as model_stop_token_ids
+
+    generation_config = None
     if policy.kind == "hf":
-        for holder in (getattr(policy.hf_model, "generation_config", None), policy.hf_model.config):
-            value = getattr(holder, "eos_token_id", None)
-            if value is not None:
-                ids.update([value] if isinstance(value, int) else value)
-                break
-    if policy.tokenizer.eos_token_id is not None:
-        ids.add(int(policy.tokenizer.eos_token_id))
-    return sorted(ids)
+        generation_config = getattr(policy.hf_model, "generation_config", None)
+        if getattr(generation_config, "eos_token_id", None) is None:
+            generation_config = policy.hf_model.config
+    folders = [policy.tokenizer_dir] if policy.tokenizer_dir is not None else []
+    return list(model_stop_token_ids(policy.tokenizer, folders=folders, generation_config=generation_config))
 
 
 def fits_context(
@@ -172,18 +174,21 @@ class ShardSampler:
         if self._engine is None:
             from pipeline.rollout.local import LocalEngine
 
+            from pipeline.models.tokenizer import pad_token_id
+
             self._engine = LocalEngine(
                 self.policy.hf_model, eos_token_ids=stop_token_ids(self.policy),
-                pad_token_id=self.policy.tokenizer.pad_token_id, max_batch_rows=self._max_batch_rows,
+                pad_token_id=pad_token_id(self.policy.tokenizer), max_batch_rows=self._max_batch_rows,
                 show_progress=self._show_progress,
             )
         return self._engine
 
     def sample(self, shard: Shard) -> list[ProblemResult]:
         """``num_samples`` graded responses per prompt of ``shard``, sampled under ``shard.seed``."""
+        params = replace(self.options.params(shard.seed), stop_token_ids=tuple(self.engine.eos_token_ids))
         return sample_and_grade(
             engine=self.engine, tokenizer=self.policy.tokenizer, prompts=shard.prompts,
-            num_samples=self.options.num_samples, params=self.options.params(shard.seed), pool=self._grading_pool(),
+            num_samples=self.options.num_samples, params=params, pool=self._grading_pool(),
             template=self.options.template,
         )
 

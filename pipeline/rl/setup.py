@@ -19,10 +19,11 @@ from pipeline.checkpoint.artifact import load_weights
 from pipeline.checkpoint.manager import CheckpointManager
 from pipeline.config import RLConfig, RolloutConfig
 from pipeline.data import Prompt, load_prompts
+from pipeline.data.sources import parse_spec
 from pipeline.data.templates import prompt_token_ids
 from pipeline.metrics import MetricsWriter
 from pipeline.models.spec import ModelSpec
-from pipeline.models.tokenizer import load_tokenizer
+from pipeline.models.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
 from pipeline.rl.methods import Methods, build_methods
 from pipeline.rl.registry import MethodSetting
 from pipeline.rl.sampling import Sampling, build_sampling
@@ -93,6 +94,8 @@ class Run:
     engine: Any  # None on every rank but global rank 0
     pool: Any
     tokenizer: Any
+    pad_token_id: int  # the tokenizer's pad, else its EOS (Llama 3 has no pad token)
+    stop_token_ids: tuple[int, ...]  # the model's generation_config EOS ids + the tokenizer's EOS
     prompts: list[Prompt]
     prompt_token_ids: list[list[int]]
     eval_prompts: list[Prompt]
@@ -151,8 +154,21 @@ def seed_stats_from_curation(stats: PromptStatsStore, curation, *, source: str) 
                              num_samples=torch.from_numpy(curation.num_samples[rows]))
 
 
+def load_eval_prompts(cfg: RLConfig) -> list[Prompt]:
+    """The held-out set: a benchmark's or synthetic source's test split (unless the spec names a
+    split), a file whole; ``eval_limit`` keeps a random subset drawn with ``seed``."""
+    parsed = parse_spec(cfg.eval_set)
+    split = None if parsed.kind == "file" or parsed.split is not None else "test"
+    prompts, _ = load_prompts(cfg.eval_set, split=split, limit=cfg.eval_limit, seed=cfg.seed,
+                              shuffle=cfg.eval_limit is not None)
+    return prompts
+
+
 def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_dir: Path):
-    """The rollout engine the config names: the in-process HF engine or SGLang servers."""
+    """The rollout engine the config names: the in-process HF engine or SGLang servers.
+
+    Stop tokens travel with each request (``SamplingParams.stop_token_ids``); the local
+    engine's own EOS is the tokenizer's as well."""
     if cfg.engine == "sglang":
         from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
         from pipeline.rollout.weight_sync import DiskSyncedEngine
@@ -165,7 +181,7 @@ def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_di
     from pipeline.rollout.weight_sync import build_hf_model
 
     return LocalEngine(build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id, show_progress=False)
+                       pad_token_id=pad_token_id(tokenizer), show_progress=False)
 
 
 def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -> Run:
@@ -196,7 +212,7 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -
     if too_long:
         raise ValueError(f"data.train: {len(too_long)} prompts (e.g. {too_long[0]}) exceed the model's context "
                          f"of {spec.max_position_embeddings} tokens with max_new_tokens={cfg.max_new_tokens}")
-    eval_prompts, _ = load_prompts(cfg.eval_set, split="test")
+    eval_prompts = load_eval_prompts(cfg)
     stats = PromptStatsStore([p.id for p in prompts], ema_decay=cfg.algorithm.ada_est.ema_decay)
     if curation is not None:
         seed_stats_from_curation(stats, curation, source=str(cfg.curation_dir))
@@ -213,7 +229,8 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -
         cfg=cfg, context=context, actor=actor, reference=reference,
         # Only global rank 0 drives the engine; the other ranks receive its graded samples.
         engine=build_engine(cfg.rollout, spec=spec, tokenizer=tokenizer, tokenizer_dir=policy.tokenizer_dir) if context.rank == 0 else None,
-        pool=GradingPool(**cfg.reward.pool_kwargs()), tokenizer=tokenizer, prompts=prompts,
+        pool=GradingPool(**cfg.reward.pool_kwargs()), tokenizer=tokenizer, pad_token_id=pad_token_id(tokenizer),
+        stop_token_ids=stop_token_ids(tokenizer, folders=[policy.tokenizer_dir]), prompts=prompts,
         prompt_token_ids=encoded_prompts, eval_prompts=eval_prompts, methods=methods, sampling=sampling,
         stream=PromptStream(len(prompts), seed=cfg.seed), stats=stats,
         ledger=Ledger(), checkpoints=checkpoints, writer=None, start_step=0, output_dir=output_dir,

@@ -49,7 +49,7 @@ def generate_and_grade(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *
                                       num_samples=int(n))
                     for g, (i, n) in enumerate(zip(indices.tolist(), budgets.tolist()))]
         params = SamplingParams(max_new_tokens=run.cfg.max_new_tokens, temperature=temperature,
-                                top_p=run.cfg.top_p, seed=seed)
+                                top_p=run.cfg.top_p, stop_token_ids=run.stop_token_ids, seed=seed)
         completions = run.engine.generate(requests, params)
         texts = [run.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in completions]
         position = {request.prompt_id: g for g, request in enumerate(requests)}
@@ -66,7 +66,7 @@ def generate_and_grade(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *
 def question_logprobs(run: Run, rollouts: RolloutBatch) -> torch.Tensor:
     """(P,) the actor's mean log-prob of each prompt's question tokens: DEPO's perplexity target."""
     prompts = rollouts.prompt_token_ids
-    tokens = torch.full((len(prompts), max(len(ids) for ids in prompts)), run.tokenizer.pad_token_id)  # (P, T)
+    tokens = torch.full((len(prompts), max(len(ids) for ids in prompts)), run.pad_token_id)  # (P, T)
     mask = torch.zeros(tokens.shape, dtype=torch.bool)  # (P, T): every question token with a prefix
     for row, ids in enumerate(prompts):
         tokens[row, : len(ids)] = torch.tensor(ids)
@@ -82,7 +82,8 @@ def evaluate(run: Run, *, temperature: float) -> dict[str, float]:
     results = sample_and_grade(engine=run.engine, tokenizer=run.tokenizer, prompts=run.eval_prompts,
                                num_samples=run.cfg.eval_samples, pool=run.pool, template=run.cfg.data.template,
                                params=SamplingParams(max_new_tokens=run.cfg.max_new_tokens,
-                                                     temperature=temperature, seed=run.cfg.seed))
+                                                     temperature=temperature, stop_token_ids=run.stop_token_ids,
+                                                     seed=run.cfg.seed))
     return {f"eval/{k}": v for k, v in score(results, [1]).items()}
 
 

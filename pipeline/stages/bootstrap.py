@@ -50,12 +50,21 @@ class BootstrapResult:
 _UNHASHED_TRAINER_OPTIONS = ("logprob_chunk_size", "logprob_buffer_mib", "old_logprobs", "max_skipped_steps")
 
 
+# What a cache entry holds beyond the config: 2 = the tokenizer's post-processor prepends
+# <bos> (``encode_prompt`` adds special tokens by the tokenizer's own settings). Entries of
+# format 1 hold a tokenizer without it, whose prompts would lose their <bos>; a new key
+# retrains them instead of reusing them. Training is deterministic and the training ids
+# are the same, so the retrained policy equals the old one.
+CACHE_FORMAT = 2
+
+
 def config_hash(cfg: BootstrapConfig) -> str:
     data = configlib.to_dict(cfg)
     data.pop("cache_dir")
     data.pop("progress")
     for name in _UNHASHED_TRAINER_OPTIONS:
         data["trainer"].pop(name)
+    data["cache_format"] = CACHE_FORMAT
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -72,6 +81,8 @@ def load_training_prompts(cfg: BootstrapConfig) -> list[Prompt]:
 
 def encode_example(tokenizer, prompt_text: str, response_text: str) -> tuple[list[int], int]:
     """Token ids ``[bos] prompt response [eos]`` and the index where the response starts.
+
+    ``[bos] prompt`` is ``encode_prompt``'s (the demo tokenizer's post-processor adds the BOS).
 
     Prompt and response are encoded separately, exactly as at generation time (the
     engine continues from ``encode_prompt``'s ids), so training and sampling see the

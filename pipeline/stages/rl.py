@@ -40,12 +40,56 @@ from pipeline.rollout.mismatch import logprob_mismatch
 from pipeline.rollout.weight_sync import sync_actor_to_engine
 
 
-def initial_policy(cfg: RLConfig, *, context) -> InitialPolicy:
-    """The policy RL starts from: ``cfg.policy`` (a winnow checkpoint) or the bootstrap policy.
+CONVERTED_POLICY_DIR = "initial_policy"  # under logging.output_dir: a Hugging Face policy, converted
 
-    A Hugging Face folder is converted once with ``winnow convert hf-to-megatron``, which
-    checks logit parity; starting from unverified weights is not offered.
+
+def convert_hf_policy(cfg: RLConfig, *, context) -> Path:
+    """``cfg.policy`` (a Hugging Face folder) as a winnow checkpoint in the run folder, converted once.
+
+    ``pipeline.checkpoint.convert.hf_to_megatron`` writes it to
+    ``<logging.output_dir>/initial_policy/`` with the run's TP/PP layout recorded, and only
+    after its logit gate passed; starting from unverified weights is not offered. A resumed
+    run finds it there and reuses it (it must come from the same folder and layout). The
+    conversion needs a one-rank process: a multi-rank run without it says which
+    ``winnow convert`` command writes it. Its tokenizer (with the model's
+    ``generation_config.json``) is also copied to ``<logging.output_dir>/tokenizer/``, where
+    `winnow evaluate` and `winnow convert megatron-to-hf` look for the tokenizer of the run's
+    checkpoints (``<logging.output_dir>/checkpoints`` by default).
     """
+    import shutil
+
+    from pipeline.checkpoint.artifact import TOKENIZER_DIR, read_manifest, resolve_checkpoint
+    from pipeline.checkpoint.convert import hf_to_megatron
+    from pipeline.io import staged_directory
+
+    hf_dir = Path(cfg.policy).resolve()
+    out = Path(cfg.logging.output_dir) / CONVERTED_POLICY_DIR
+    layout = {"tensor_parallel": cfg.parallel.tensor_parallel, "pipeline_parallel": cfg.parallel.pipeline_parallel}
+    command = (f"winnow convert hf-to-megatron --hf {cfg.policy} --out {out} "
+               f"--tp {layout['tensor_parallel']} --pp {layout['pipeline_parallel']}")
+    if out.exists():
+        manifest = read_manifest(resolve_checkpoint(out))
+        recorded = {key: manifest.get("layout", {}).get(key) for key in layout}
+        if manifest.get("hf_source") != str(hf_dir) or recorded != layout:
+            raise ValueError(f"policy: {out} holds a conversion of {manifest.get('hf_source')} for {recorded}, not of "
+                             f"{hf_dir} for {layout}; use another logging.output_dir or delete it")
+    elif context.world_size != 1:
+        raise ValueError(f"policy: {cfg.policy} is a Hugging Face folder and converting it needs a one-rank process; "
+                         f"run `{command}` once (it verifies logit parity), then start this run again: it uses {out}")
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        hf_to_megatron(hf=hf_dir, out=out, tensor_parallel=layout["tensor_parallel"],
+                       pipeline_parallel=layout["pipeline_parallel"])
+    run_tokenizer = Path(cfg.logging.output_dir) / TOKENIZER_DIR
+    if context.rank == 0 and (out / TOKENIZER_DIR).is_dir() and not run_tokenizer.exists():
+        with staged_directory(run_tokenizer, overwrite=False) as staging:
+            shutil.copytree(out / TOKENIZER_DIR, staging, dirs_exist_ok=True)
+    return out
+
+
+def initial_policy(cfg: RLConfig, *, context) -> InitialPolicy:
+    """The policy RL starts from: ``cfg.policy`` (a winnow checkpoint, or a Hugging Face folder
+    converted into the run folder by ``convert_hf_policy``) or the bootstrap policy."""
     from pipeline.checkpoint.artifact import (
         checkpoint_spec,
         find_tokenizer_dir,
@@ -63,10 +107,8 @@ def initial_policy(cfg: RLConfig, *, context) -> InitialPolicy:
         if weights is None:
             raise FileNotFoundError(f"no valid checkpoint under {base.checkpoint_dir}")
         return InitialPolicy(ModelSpec(**base.summary["model_spec"]), weights, Path(cfg.tokenizer or base.tokenizer_dir))
-    if is_hf_folder(Path(cfg.policy)):
-        raise ValueError(f"policy: {cfg.policy} is a Hugging Face folder; convert it once with `winnow convert "
-                         f"hf-to-megatron --hf {cfg.policy} --out DIR` (it verifies logit parity) and pass DIR")
-    step_dir = resolve_checkpoint(cfg.policy)
+    policy = convert_hf_policy(cfg, context=context) if is_hf_folder(Path(cfg.policy)) else Path(cfg.policy)
+    step_dir = resolve_checkpoint(policy)
     candidates = tokenizer_candidates(step_dir)
     tokenizer_dir = find_tokenizer_dir(cfg.tokenizer, candidates=candidates)
     if tokenizer_dir is None:
@@ -127,7 +169,7 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 metrics.update(advantage_metrics | selection_metrics)
             with timer("logprobs"):
                 batch, engine_logprobs = to_train_batch(rollouts.prompt_token_ids, rollouts.completions,
-                                                        rollouts.group_ids, pad_id=run.tokenizer.pad_token_id)
+                                                        rollouts.group_ids, pad_id=run.pad_token_id)
                 old_logprobs, entropy = None, None  # trainer.old_logprobs=update_forward: the update's own pass
                 if methods.needs_token_stats or cfg.trainer.old_logprobs == "recompute":
                     old_logprobs, entropy = actor.compute_token_stats(batch, temperature=temperature)
@@ -174,9 +216,10 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                                 mismatch=mismatch, method_metrics=metrics, ledger=ledger.state_dict(),
                                 seconds=timer.seconds)
             final = step + 1 == cfg.steps
-            if final:
+            scored = final or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0)
+            if scored:
                 last.update(evaluate(run, temperature=cfg.temperature))
-            if run.writer is not None and (final or (step + 1) % cfg.logging.log_every == 0):
+            if run.writer is not None and (scored or (step + 1) % cfg.logging.log_every == 0):
                 run.writer.log(step + 1, last)
             bar.set_postfix(reward=f"{last['reward_mean']:.3f}", tok_s=f"{tokens / sum(timer.seconds.values()):,.0f}")
             if final or (step + 1) % cfg.checkpoint.every_steps == 0 or stop.received or step + 1 == end_step:
