@@ -17,8 +17,10 @@ Normalization across micro-batches and data-parallel ranks: each loss is
 every micro-batch of every DP rank), so summing the micro-batch losses gives the
 full-batch loss. megatron's schedule divides by the number of micro-batches only
 for two-tuple loss returns, so we return three-tuples with
-``calculate_per_token_loss=True``; megatron's DDP averages gradients over DP
-ranks, which we undo by scaling the loss by the DP size.
+``calculate_per_token_loss=True``. In that mode megatron's DDP *sums* gradients over
+DP ranks (its ``gradient_scaling_factor`` is 1, not 1/DP), which is exactly what a
+globally normalised loss needs: each rank trains its own rows (``data_parallel_share``)
+and the sum of the ranks' gradients is the full batch's.
 
 Devices: batches arrive on the CPU (rollouts, advantages) and every micro-batch, its
 positions and causal mask, and every tensor handed to a collective are placed on
@@ -55,7 +57,13 @@ from pipeline.models.layer_spec import FP8Options, select_layer_spec
 from pipeline.models.layout import shard_full_state_dict
 from pipeline.models.spec import ModelSpec
 from pipeline.parallel.context import ParallelContext
-from pipeline.trainer.batch import TrainBatch, pad_to_token_multiple, plan_micro_batches
+from pipeline.trainer.batch import (
+    TrainBatch,
+    balance_rows,
+    pad_to_token_multiple,
+    plan_micro_batches,
+    without_targets,
+)
 from pipeline.trainer.schedule import LearningRateSchedule
 
 logger = logging.getLogger(__name__)
@@ -244,7 +252,6 @@ class Actor:
         if loss is not None:
             local = torch.stack([loss.denominator(m) for m in micros]).sum()
             normalizer = self.context.dp_sum(local.to(torch.float64))  # on the device: micros are there
-        scale = float(self.context.data_parallel)
         collected: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def forward_step(data_iterator: Iterator[TrainBatch], model):
@@ -261,7 +268,7 @@ class Actor:
                 value, metrics = loss(logprobs=logprobs, entropy=entropy, micro=micro, normalizer=normalizer)
                 reported = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
                 reported["loss"] = value.detach()
-                return value * scale, one, reported
+                return value, one, reported
 
             return output, loss_func
 
@@ -326,9 +333,14 @@ class Actor:
         return [r for r in torch.arange(batch.batch_size).split(rows)]
 
     def train_step(self, batch: TrainBatch, loss: TokenLoss, *, temperature: float = 1.0) -> StepResult:
-        """One optimizer step on ``batch`` (this DP rank's share); a non-finite step is skipped."""
+        """One optimizer step on the global ``batch`` (the same on every rank); a non-finite step is skipped.
+
+        Each data-parallel rank trains only its share of the rows (``data_parallel_share``);
+        the loss is normalised over the global batch, so the update equals DP=1's.
+        """
         if not self.trainable:
             raise ValueError("this actor is frozen (built without an optimizer config); it cannot train")
+        batch = self.data_parallel_share(batch)
         learning_rate = self.schedule.apply(self.optimizer)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -344,6 +356,21 @@ class Actor:
         _, grad_norm, _ = self.optimizer.step()
         self.schedule.step()
         return StepResult(metrics.get("loss", 0.0), float(grad_norm), False, learning_rate, len(micros), metrics)
+
+    def data_parallel_share(self, batch: TrainBatch) -> TrainBatch:
+        """This DP rank's rows of the global batch, balanced by token count (``balance_rows``).
+
+        The shares are computed from the batch alone, so every rank of one model replica (its
+        TP and PP ranks) takes the same rows without communicating. A rank left without rows
+        (fewer rows than DP ranks) trains an all-masked copy of one row: it still runs every
+        collective and contributes zero. Memory: one ``(B/DP, T)`` copy of the batch tensors.
+        """
+        if self.context.data_parallel == 1:
+            return batch
+        rows = balance_rows(batch.seq_lengths, self.context.data_parallel)[self.context.dp_rank]
+        if rows.numel() == 0:
+            return without_targets(batch.select(torch.tensor([0])))
+        return batch.select(rows)
 
     def _all_ranks_finite(self, finite: bool) -> bool:
         """Whether every rank's step is finite: every rank skips together or none does."""

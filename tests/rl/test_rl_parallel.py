@@ -24,7 +24,7 @@ def _layout_worker(rank, world_size, tmp, cache, tensor_parallel, pipeline_paral
     from pipeline.metrics import read_metrics
     from pipeline.models.tokenizer import load_tokenizer
     from pipeline.parallel.context import ParallelContext
-    from pipeline.rl.setup import initial_policy
+    from pipeline.stages.rl import initial_policy
     from pipeline.stages.rl import run_rl
 
     cfg = _config(tmp, [*METHODS, f"bootstrap.cache_dir={cache}", *extra])

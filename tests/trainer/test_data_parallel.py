@@ -1,0 +1,110 @@
+"""Data parallelism: each DP rank trains its own rows, and together they make DP=1's update."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.trainer.batch import balance_rows
+from tests.distributed_utils import run_distributed
+from tests.trainer.test_actor import SEED, _actor, _batch
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "d3s")
+
+
+def test_balance_rows_hand_case():
+    # LPT: 12 → share 0, 12 → share 1, 10 → share 0 (22), 9 → share 1 (21), 7 → share 1 (28), 5 → share 0 (27).
+    shares = balance_rows(torch.tensor([12, 9, 7, 12, 5, 10]), 2)
+    assert [s.tolist() for s in shares] == [[0, 4, 5], [1, 2, 3]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 4000), min_size=0, max_size=40), num_shares=st.integers(1, 8))
+def test_balance_rows_covers_every_row_once_within_the_lpt_bound(lengths, num_shares):
+    shares = balance_rows(torch.tensor(lengths, dtype=torch.long), num_shares)
+    assert len(shares) == num_shares
+    assert sorted(row for share in shares for row in share.tolist()) == list(range(len(lengths)))
+    assert all(share.tolist() == sorted(share.tolist()) for share in shares)
+    if lengths:
+        loads = [sum(lengths[row] for row in share.tolist()) for share in shares]
+        # Graham's bound against the trivial lower bound max(mean load, longest row).
+        lower = max(sum(lengths) / num_shares, max(lengths))
+        assert max(loads) <= (4 / 3) * lower + 1e-9
+
+
+def _policy_batch(aggregation_with_tokens: bool):
+    batch = _batch()
+    generator = torch.Generator().manual_seed(11)
+    batch.advantages = torch.randn(batch.tokens.shape, generator=generator) * batch.response_mask  # (B, T)
+    batch.old_logprobs = None
+    if aggregation_with_tokens:
+        batch.token_mask = batch.response_mask & (torch.rand(batch.tokens.shape, generator=generator) < 0.6)
+    return batch
+
+
+def _dp_worker(rank, world_size, tp, weights_path, aggregation, num_steps):
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.algorithms.losses import grpo_loss
+    from pipeline.trainer.losses import PolicyLoss
+
+    actor = _actor(tp, 1, micro_batch_tokens=30, lr=1e-2)
+    if rank == 0 and not os.path.exists(weights_path):
+        state = {k: v.contiguous() for k, v in actor.module.state_dict().items() if not k.endswith("_extra_state")}
+        save_file(state, weights_path)
+    if world_size > 1 or os.path.exists(weights_path):
+        actor.load_full_state_dict(load_file(weights_path))
+    batch = _policy_batch(aggregation == "d3s")
+    share = actor.data_parallel_share(batch)
+    loss = PolicyLoss(grpo_loss, aggregation=aggregation)
+    steps = [actor.train_step(batch, loss) for _ in range(num_steps)]
+    return {"losses": [s.loss for s in steps], "grad_norms": [s.grad_norm for s in steps],
+            "rows": share.tokens.shape[0], "dp_rank": actor.context.dp_rank, "seed": SEED}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_dp2_trains_its_own_rows_and_matches_dp1(tmp_path, aggregation):
+    path = str(tmp_path / "weights.safetensors")
+    (single,) = run_distributed(_dp_worker, world_size=1, args=(1, path, aggregation, 3))
+    pair = run_distributed(_dp_worker, world_size=2, args=(1, path, aggregation, 3))
+    assert sorted(outcome["dp_rank"] for outcome in pair) == [0, 1]
+    assert sum(outcome["rows"] for outcome in pair) == single["rows"] == 6  # every row once
+    for outcome in pair:
+        assert outcome["losses"] == pytest.approx(single["losses"], rel=1e-5)
+        assert outcome["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tp2_dp2_matches_dp1(tmp_path):
+    path = str(tmp_path / "weights.safetensors")
+    (single,) = run_distributed(_dp_worker, world_size=1, args=(1, path, "d3s", 2))
+    quad = run_distributed(_dp_worker, world_size=4, args=(2, path, "d3s", 2))
+    assert sorted(outcome["dp_rank"] for outcome in quad) == [0, 0, 1, 1]
+    assert sum(outcome["rows"] for outcome in quad if outcome["dp_rank"] >= 0) == 2 * single["rows"]  # 2 TP ranks each
+    for outcome in quad:
+        assert outcome["losses"] == pytest.approx(single["losses"], rel=1e-5)
+        assert outcome["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-5)
+
+
+def _tiny_batch_worker(rank, world_size):
+    from pipeline.trainer.losses import CrossEntropyLoss
+
+    actor = _actor(1, 1, micro_batch_tokens=10_000, lr=1e-2)
+    batch = _batch().select(torch.tensor([1]))  # one row, two DP ranks
+    share = actor.data_parallel_share(batch)
+    step = actor.train_step(batch, CrossEntropyLoss())
+    return int(share.response_mask.sum()), step.loss, step.skipped
+
+
+@pytest.mark.distributed
+def test_a_rank_without_rows_trains_a_masked_placeholder():
+    outcomes = run_distributed(_tiny_batch_worker, world_size=2)
+    tokens = sorted(outcome[0] for outcome in outcomes)
+    assert tokens[0] == 0 and tokens[1] > 0  # one rank got the row, the other a placeholder
+    assert outcomes[0][1] == pytest.approx(outcomes[1][1]) and not any(outcome[2] for outcome in outcomes)
