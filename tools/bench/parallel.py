@@ -1,4 +1,4 @@
-"""Megatron actor train step under TP=2 and PP=2 vs TP=1, on the same cores, model and global batch.
+"""Megatron actor train step under TP=2, PP=2 and DP=2 vs TP=1, on the same cores, model and global batch.
 
 Times ``Actor.train_step`` (the step the RL loop and the bootstrap run: fp32, CPU,
 gloo, megatron's DDP, optimizer and schedules, the chunked log-prob head and
@@ -8,7 +8,9 @@ and its ratio to TP=1:
 * TP=1: one process with 2 intra-op threads (the baseline);
 * TP=2: two processes, 1 intra-op thread each (tensor parallelism over gloo);
 * PP=2: two processes, 1 intra-op thread each (megatron's non-interleaved 1F1B
-  schedule over gloo).
+  schedule over gloo);
+* DP=2: two processes, 1 intra-op thread each, each training its half of the rows
+  (``Actor.data_parallel_share``, balanced by tokens) with one gradient all-reduce.
 
 Thread budget: every layout gets the same ``--threads`` intra-op threads in total
 (default 2, the machine's two cores): all of them in the one TP=1 process, an equal
@@ -71,16 +73,18 @@ class Layout:
     name: str
     tensor_parallel: int
     pipeline_parallel: int
+    data_parallel: int = 1
 
     @property
     def num_ranks(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
 
 
 LAYOUTS = (
     Layout(name="TP=1", tensor_parallel=1, pipeline_parallel=1),
     Layout(name="TP=2", tensor_parallel=2, pipeline_parallel=1),
     Layout(name="PP=2", tensor_parallel=1, pipeline_parallel=2),
+    Layout(name="DP=2", tensor_parallel=1, pipeline_parallel=1, data_parallel=2),
 )
 BASELINE = LAYOUTS[0]
 
@@ -227,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         first = runs[layout.name][0][0]
         layouts[layout.name] = {
             "tensor_parallel": layout.tensor_parallel, "pipeline_parallel": layout.pipeline_parallel,
-            "num_ranks": layout.num_ranks, "threads_per_rank": args.threads // layout.num_ranks,
+            "data_parallel": layout.data_parallel, "num_ranks": layout.num_ranks, "threads_per_rank": args.threads // layout.num_ranks,
             # StepResult counts the micro-batches whose loss a rank saw: 0 off the last pipeline stage.
             "num_micro_batches": max(rank["num_micro_batches"] for rank in runs[layout.name][0]),
             "step_wall_s": wall, "step_cpu_s": cpu,
@@ -272,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               marker_label="fastest steps' ratio", lines={"TP=1 (no target: measured)": 1.0}),
     ]
     save(args.out, "parallel", settings=vars(args) | {"spec": spec}, results=result, panels=panels,
-         threads=args.threads, title=f"TP=2 and PP=2 vs TP=1, Megatron actor train step "
+         threads=args.threads, title=f"TP=2, PP=2 and DP=2 vs TP=1, Megatron actor train step "
                                      f"({result['num_parameters']:,} parameters, batch {args.batch} × {args.seq}, "
                                      f"{args.threads} threads split over the ranks)")
     if not result["loss_agreement"]:
