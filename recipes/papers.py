@@ -61,19 +61,23 @@ DAPO_EPS_HIGH = 0.28
 class PaperModel:
     key: str  # the suffix of preset names
     hf_id: str  # the checkpoint the paper starts from; download it and pass its folder as `policy`
+    # The smallest tensor-parallel size at which `winnow plan` fits the trainer on 8×H100 nodes
+    # (bf16, no distributed optimizer or recompute: 18 bytes per parameter before activations).
+    tensor_parallel: int = 1
 
 
-QWEN25_MATH_7B = PaperModel("qwen25_math_7b", "Qwen/Qwen2.5-Math-7B")
+QWEN25_MATH_7B = PaperModel("qwen25_math_7b", "Qwen/Qwen2.5-Math-7B", tensor_parallel=4)
 QWEN25_MATH_1P5B = PaperModel("qwen25_math_1p5b", "Qwen/Qwen2.5-Math-1.5B")
-LLAMA31_8B_INSTRUCT = PaperModel("llama31_8b_instruct", "meta-llama/Llama-3.1-8B-Instruct")
-OPENMATH2_LLAMA31_8B = PaperModel("openmath2_llama31_8b", "nvidia/OpenMath2-Llama3.1-8B")
-LLAMA32_3B_INSTRUCT = PaperModel("llama32_3b_instruct", "meta-llama/Llama-3.2-3B-Instruct")
-QWEN3_4B_INSTRUCT = PaperModel("qwen3_4b_instruct", "Qwen/Qwen3-4B-Instruct-2507")
+LLAMA31_8B_INSTRUCT = PaperModel("llama31_8b_instruct", "meta-llama/Llama-3.1-8B-Instruct", tensor_parallel=4)
+OPENMATH2_LLAMA31_8B = PaperModel("openmath2_llama31_8b", "nvidia/OpenMath2-Llama3.1-8B", tensor_parallel=4)
+LLAMA32_3B_INSTRUCT = PaperModel("llama32_3b_instruct", "meta-llama/Llama-3.2-3B-Instruct", tensor_parallel=2)
+QWEN3_4B_INSTRUCT = PaperModel("qwen3_4b_instruct", "Qwen/Qwen3-4B-Instruct-2507", tensor_parallel=2)
 R1_DISTILL_QWEN_1P5B = PaperModel("r1_distill_qwen_1p5b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B")
-R1_DISTILL_QWEN_7B = PaperModel("r1_distill_qwen_7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B")
+R1_DISTILL_QWEN_7B = PaperModel("r1_distill_qwen_7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", tensor_parallel=4)
 QWEN25_1P5B_INSTRUCT = PaperModel("qwen25_1p5b_instruct", "Qwen/Qwen2.5-1.5B-Instruct")
-QWEN25_7B_INSTRUCT = PaperModel("qwen25_7b_instruct", "Qwen/Qwen2.5-7B-Instruct")
-QWEN25_MATH_7B_INSTRUCT = PaperModel("qwen25_math_7b_instruct", "Qwen/Qwen2.5-Math-7B-Instruct")
+QWEN25_7B_INSTRUCT = PaperModel("qwen25_7b_instruct", "Qwen/Qwen2.5-7B-Instruct", tensor_parallel=4)
+QWEN25_MATH_7B_INSTRUCT = PaperModel("qwen25_math_7b_instruct", "Qwen/Qwen2.5-Math-7B-Instruct",
+                                     tensor_parallel=4)
 
 
 MODELS = {model.key: model for model in (
@@ -455,16 +459,18 @@ def cw_baseline(*, backbone: str, policy: str | None = None) -> RLConfig:
     """CW-GRPO §3.1 and App. C Table 5, GRPO row of Table 2.
 
     From the paper: learning rate 1e-6 with 10% warm-up (10 of 100 steps), 100 steps,
-    12 generations per prompt, 4,096-token completions, temperature 0.7, the GRPO objective
+    12 generations per prompt, temperature 0.7, the GRPO objective
     of §2.3 (``seq_mean_token_mean``). Table 5's batch of 12 with 4 accumulation steps is
     TRL's count of completions per device: 12 × 4 × 4 GPUs / 12 generations = 16 prompts
     per step. Not stated, chosen here: top-p 1.0, ε = 0.2 on both sides, no KL. The paper's
     <think>/<answer> system prompt and format reward have no winnow counterpart (the chat
-    template asks for a boxed answer).
+    template asks for a boxed answer). Changed from the paper: its 4,096-token completions
+    become 3,072 on Qwen2.5-Math-7B-Instruct, whose context is 4,096 positions (prompt
+    included); R1-Distill-Qwen-1.5B keeps 4,096.
     """
     check_backbone(backbone, CW_MODELS, paper="CW-GRPO")
     cfg = hf_policy_run(policy=policy, lr=1e-6, steps=100, prompts_per_step=16, group_size=12,
-                        max_new_tokens=4096, temperature=0.7, top_p=1.0, warmup_steps=10)
+                        max_new_tokens=3072 if backbone == QWEN25_MATH_7B_INSTRUCT.key else 4096, temperature=0.7, top_p=1.0, warmup_steps=10)
     cfg.algorithm = dataclasses.replace(cfg.algorithm, eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean")
     return cfg
 
@@ -500,6 +506,7 @@ class PaperPreset:
 
     def __call__(self, *, policy: str | None = None) -> RLConfig:
         cfg = self.recipe(policy=policy, **self.options)
+        cfg.parallel = dataclasses.replace(cfg.parallel, tensor_parallel=self.model.tensor_parallel)
         # Each preset writes to its own run directory, so a sweep over presets never resumes
         # one run from another's checkpoints.
         cfg.logging.output_dir = f"runs/papers/{self.name}"

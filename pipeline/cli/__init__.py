@@ -163,8 +163,11 @@ def _convert_commands() -> list[Command]:
 def _stage_commands_with_own_arguments() -> list[Command]:
     from pipeline.cli import curate, evaluate
     from pipeline.cli import estimator as train_estimator
+    from pipeline.cli import plan
 
     return [
+        Command("plan", "per-GPU memory, KV cache, context, step time and GPU-hours of an rl job; the verdict",
+                plan.add_plan_arguments, plan.run_plan_command),
         Command("train-estimator", "train the DEPO difficulty estimator on curation outputs; report calibration",
                 train_estimator.add_train_estimator_arguments, train_estimator.run_train_estimator_command),
         Command("curate", "sample k answers per prompt, grade them, keep prompts of useful difficulty",
@@ -202,6 +205,10 @@ def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor.account", dest="executor_account", default=None, help="SLURM account")
     parser.add_argument("--executor.container-image", dest="executor_container_image", default=None,
                         help="pyxis container image")
+    from pipeline.cli.plan import add_cluster_arguments
+
+    parser.add_argument("--force", action="store_true", help="launch GPU rl stages even when the plan refuses them")
+    add_cluster_arguments(parser, with_nodes=False)
 
 
 def _launch_campaign_arguments(parser: argparse.ArgumentParser) -> None:
@@ -245,8 +252,11 @@ def _launch(plan, args: argparse.Namespace) -> int:
     from pipeline.launch.campaign import CampaignStatus
     from pipeline.launch.nemo import apply_executor_overrides, launch_campaign
 
+    from pipeline.cli.plan import check_campaign_plan
+
     overrides, options = _launch_options(args)
     plan = apply_executor_overrides(plan, overrides)
+    check_campaign_plan(plan, args)
     result = launch_campaign(plan, options=options)
     if isinstance(result, Path):
         print(f"dry run: task scripts under {result}")

@@ -245,7 +245,7 @@ def test_depo_section_4_1():
 def test_cw_grpo_appendix_c():
     cfg = build("cw_grpo_qwen25_math_7b_instruct")
     assert (cfg.optim.lr, cfg.steps, cfg.optim.warmup_steps) == (1e-6, 100, 10)  # warm-up ratio 0.1
-    assert (cfg.group_size, cfg.max_new_tokens, cfg.temperature) == (12, 4096, 0.7)
+    assert (cfg.group_size, cfg.max_new_tokens, cfg.temperature) == (12, 3072, 0.7)  # 4,096 positions hold the prompt too
     assert cfg.algorithm.token_weights == ["cw_grpo"] and cfg.algorithm.cw_grpo_scope == "group"
 
 

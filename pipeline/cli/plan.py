@@ -1,0 +1,236 @@
+"""`winnow plan`: will this RL job fit, how long will it take, and what will it cost?
+
+Inputs: a model (``config.json``, Hugging Face folder or winnow checkpoint), the RL config
+(a campaign recipe's rl stages, a paper preset, or ``--config`` YAML with overrides) and a
+cluster (a SLURM profile's GPUs per node, the GPU kind, trainer and rollout nodes). Prints
+the per-GPU memory table of every pipeline stage, the SGLang KV cache against a step's
+sequences, the context check, the pipeline bubble, step time and GPU-hours at the printed
+assumptions, and the verdict with the smallest TP×PP layout that fits. Exit status 1 when
+the job does not fit. The planner itself is ``pipeline.launch.plan``.
+
+The trainer today has neither the distributed optimizer nor activation recompute; both are
+what-ifs here (``--distributed-optimizer``, ``--recompute``) until ``TrainerConfig`` gains
+them, when ``_trainer_options`` reads them from the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pipeline import configlib
+from pipeline.errors import UserError
+from pipeline.launch import plan as planner
+
+GIB = planner.GIB
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="the policy: a config.json, a Hugging Face folder or a winnow checkpoint directory")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--recipe", default=None, help="a campaign recipe (recipes/campaigns.py); plans its rl stages")
+    source.add_argument("--preset", default=None, help="a paper preset (recipes/papers.py)")
+    parser.add_argument("--config", metavar="YAML", default=None, help="an rl config YAML (with neither of the above)")
+    add_cluster_arguments(parser)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of the rl config")
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser, *, with_nodes: bool = True) -> None:
+    """The planner's cluster and what-if flags (also on `winnow launch`)."""
+    group = parser.add_argument_group("plan")
+    group.add_argument("--gpu", choices=sorted(planner.GPUS), default="h100", help="GPU kind of the cluster's nodes")
+    if with_nodes:
+        group.add_argument("--profile", default="h100-example",
+                           help="cluster profile (a name in slurm/profiles/ or a path) whose gpus_per_node the plan uses")
+        group.add_argument("--nodes", type=int, default=None,
+                           help="trainer nodes (default: the recipe's, else 1)")
+        group.add_argument("--rollout-nodes", type=int, default=None,
+                           help="SGLang nodes (default: the recipe's, else 0)")
+        group.add_argument("--servers-per-node", type=int, default=None, help="SGLang servers per rollout node")
+        group.add_argument("--server-tp", type=int, default=None, help="SGLang --tp-size of each server")
+    group.add_argument("--distributed-optimizer", action="store_true",
+                       help="what-if: shard the optimizer state over data parallel (the trainer does not yet)")
+    group.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                       help="what-if: activation recompute (the trainer has none yet)")
+    group.add_argument("--prompt-tokens", type=int, default=1024,
+                       help="the longest templated prompt, in tokens (context and memory use it)")
+    group.add_argument("--mfu", type=float, default=planner.Assumptions().mfu, help="assumed trainer MFU")
+    group.add_argument("--rollout-mfu", type=float, default=planner.Assumptions().rollout_mfu,
+                       help="assumed SGLang generation MFU")
+    group.add_argument("--response-fraction", type=float, default=planner.Assumptions().response_fraction,
+                       help="assumed mean response length / max_new_tokens (time and GPU-hours only)")
+
+
+def _trainer_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"distributed_optimizer": args.distributed_optimizer, "recompute": args.recompute}
+
+
+def _gpus_per_node(args: argparse.Namespace) -> int:
+    from pipeline.launch.slurm_profiles import load_profile
+
+    gpus = load_profile(args.profile).gpus_per_node
+    if gpus < 1:
+        raise UserError(f"--profile: {args.profile} has no GPUs to plan for")
+    return gpus
+
+
+def stage_inputs(cfg: Any, dims: planner.ModelDims, *, resources: Any, args: argparse.Namespace, num_runs: int,
+                 gpus_per_node: int) -> planner.PlanInputs:
+    """``PlanInputs`` for one rl config on a stage's resources (``resources``: a campaign ``Resources`` or None)."""
+    rollout = getattr(resources, "rollout", None) if resources is not None else None
+    cluster = planner.Cluster(
+        gpu=planner.GPUS[args.gpu],
+        trainer_nodes=(getattr(args, "nodes", None) or (resources.nodes if resources is not None else 1)),
+        gpus_per_node=gpus_per_node,
+        rollout_nodes=(getattr(args, "rollout_nodes", None) if getattr(args, "rollout_nodes", None) is not None
+                       else (rollout.nodes if rollout is not None else 0)),
+        servers_per_node=getattr(args, "servers_per_node", None) or (rollout.servers_per_node if rollout else 1),
+        server_tensor_parallel=getattr(args, "server_tp", None) or (rollout.tensor_parallel if rollout else 1),
+    )
+    return planner.PlanInputs(
+        dims=dims, layout=planner.layout_from_rl(cfg, trainer_gpus=cluster.trainer_gpus),
+        trainer=planner.trainer_settings_from_rl(cfg, **_trainer_options(args)),
+        workload=planner.workload_from_rl(cfg, prompt_tokens=args.prompt_tokens, num_runs=num_runs),
+        cluster=cluster,
+        assumptions=planner.Assumptions(mfu=args.mfu, rollout_mfu=args.rollout_mfu,
+                                        response_fraction=args.response_fraction),
+    )
+
+
+def _mib(value: int) -> str:
+    return f"{value / GIB:8.2f}"
+
+
+def format_plan(result: planner.Plan, *, title: str) -> str:
+    """The per-GPU table, KV cache, context, time and the verdict."""
+    inputs = result.inputs
+    dims, trainer, workload, cluster = inputs.dims, inputs.trainer, inputs.workload, inputs.cluster
+    lines = [
+        f"plan: {title}",
+        f"model {dims.name}: {dims.num_parameters() / 1e9:.2f}B parameters, {dims.num_layers} layers, h={dims.hidden_size},"
+        f" {dims.num_attention_heads} heads / {dims.num_kv_heads} KV heads × {dims.head_dim}, vocab {dims.vocab_size},"
+        f" {dims.max_position_embeddings} positions",
+        f"cluster: {cluster.trainer_nodes} trainer node(s) + {cluster.rollout_nodes} rollout node(s) × "
+        f"{cluster.gpus_per_node} {cluster.gpu.name}; usable per GPU {cluster.usable_bytes / GIB:.1f} GiB "
+        f"(reserve {cluster.reserve_gib} GiB, {cluster.fragmentation:.0%} fragmentation)",
+        f"layout: {inputs.layout}; {trainer.precision}, distributed optimizer {'on' if trainer.distributed_optimizer else 'off'}, "
+        f"recompute {trainer.recompute}, backend {trainer.backend} (fused attention: no s² scores), "
+        f"sequence parallel {'on' if trainer.sequence_parallel else 'off'}",
+        f"step: {workload.prompts_per_step} prompts × {workload.trained_per_prompt} trained "
+        f"({workload.sampled_per_prompt} sampled) × ≤{inputs.seq_length} tokens; micro-batch "
+        f"{planner.micro_batch_tokens(inputs)} tokens, {planner.num_micro_batches(inputs)} micro-batches per DP rank",
+        "",
+        f"{'per GPU, GiB':16s}" + "".join(f"{'stage ' + str(stage.stage):>10s}" for stage in result.stages),
+    ]
+    rows = [("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer"),
+            ("activations", "activations"), ("  no recompute", "activations_no_recompute"),
+            ("  full recompute", "activations_full_recompute"), ("log-prob head", "head_buffer"),
+            ("reference", "reference_weights")]
+    for label, key in rows:
+        lines.append(f"{label:16s}" + "".join(f"{getattr(stage, key) / GIB:10.2f}" for stage in result.stages))
+    lines.append(f"{'total':16s}" + "".join(f"{stage.total / GIB:10.2f}" for stage in result.stages))
+    lines.append(f"{'in-flight micro':16s}" + "".join(f"{stage.in_flight_micro_batches:10d}"
+                                                      for stage in result.stages))
+    lines.append(f"pipeline bubble (1F1B): {result.time.bubble:.1%}")
+    if result.kv is not None:
+        kv = result.kv
+        lines.append(f"SGLang: {kv.num_servers} server(s), TP {cluster.server_tensor_parallel}; per GPU weights "
+                     f"{kv.server_weights / GIB:.1f} GiB, KV {kv.bytes_per_token / 1024:.0f} KiB/token → capacity "
+                     f"{kv.capacity_tokens:,} tokens vs {kv.in_flight_tokens:,} in flight per server "
+                     f"({'fits at once' if kv.waves == 1 else f'{kv.waves} waves'}; --mem-fraction-static "
+                     f"{inputs.assumptions.mem_fraction_static})")
+    context = "fits" if inputs.seq_length <= dims.max_position_embeddings else "DOES NOT FIT"
+    lines.append(f"context: {workload.prompt_tokens} prompt + {workload.max_new_tokens} new = {inputs.seq_length} "
+                 f"of {dims.max_position_embeddings} positions: {context}")
+    assumptions = inputs.assumptions
+    time = result.time
+    lines.append(f"time (assumed: MFU {assumptions.mfu:.0%} trainer, {assumptions.rollout_mfu:.0%} rollout, mean "
+                 f"response {assumptions.response_fraction:.0%} of max_new_tokens, {cluster.gpu.peak_tflops:.0f} "
+                 f"TFLOPS bf16 peak): step {time.step_s:.0f} s (rollout {time.rollout_s:.0f} s, train "
+                 f"{time.train_s:.0f} s; {time.rollout_flops:.2e} + {time.train_flops:.2e} FLOPs)")
+    lines.append(f"run: {workload.steps} steps × {workload.num_runs} run(s) = {result.gpu_hours:,.0f} GPU-hours "
+                 f"({result.gpu_hours / (cluster.trainer_gpus + cluster.rollout_gpus):,.1f} h wall)")
+    smallest = str(result.smallest_layout) if result.smallest_layout else "none on this cluster"
+    if result.fits:
+        lines.append(f"verdict: FITS, {result.margin_bytes / GIB:.1f} GiB spare on the fullest GPU; "
+                     f"smallest fitting layout: {smallest}")
+    else:
+        lines.append("verdict: DOES NOT FIT")
+        lines += [f"  - {problem}" for problem in result.problems]
+        lines.append(f"  smallest fitting layout: {smallest}")
+    return "\n".join(lines)
+
+
+def rl_jobs(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
+    """(name, RLConfig, Resources or None) of every rl job the arguments name."""
+    from pipeline.config import RLConfig
+
+    if args.recipe:
+        from recipes.campaigns import CAMPAIGNS
+
+        if args.recipe not in CAMPAIGNS:
+            raise UserError(f"--recipe: unknown campaign {args.recipe!r}; known: {', '.join(sorted(CAMPAIGNS))}")
+        campaign = CAMPAIGNS[args.recipe](output_dir="runs/plan").with_overrides(
+            [f"rl-default.{override}" for override in args.overrides]
+            + [f"rl-grpo.{override}" for override in args.overrides])
+        return [(stage.name, stage.config, stage.resources) for stage in campaign.stages if stage.kind == "rl"]
+    if args.preset:
+        from recipes import papers
+
+        cfg = configlib.load(RLConfig, base=papers.build(args.preset), overrides=args.overrides)
+        return [(args.preset, cfg, None)]
+    return [("rl", configlib.load(RLConfig, yaml_path=args.config, overrides=args.overrides), None)]
+
+
+def plan_jobs(jobs: list[tuple[str, Any, Any]], dims: planner.ModelDims, args: argparse.Namespace,
+              gpus_per_node: int) -> list[tuple[str, planner.Plan]]:
+    return [(name, planner.plan(stage_inputs(cfg, dims, resources=resources, args=args, num_runs=1,
+                                             gpus_per_node=gpus_per_node)))
+            for name, cfg, resources in jobs]
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    try:
+        dims = planner.load_model_dims(args.model)
+    except (ValueError, OSError) as error:
+        raise UserError(f"--model: {error}") from None
+    jobs = rl_jobs(args)
+    results = plan_jobs(jobs, dims, args, _gpus_per_node(args))
+    for name, result in results:
+        print(format_plan(result, title=name))
+        print()
+    total = sum(result.gpu_hours for _, result in results)
+    print(f"rl stages: {len(results)}, {total:,.0f} GPU-hours in all (curate, evaluate and export not counted)")
+    return 0 if all(result.fits for _, result in results) else 1
+
+
+def check_campaign_plan(plan: Any, args: argparse.Namespace, *, out=print) -> None:
+    """`winnow launch`'s pre-flight: plan every GPU rl stage; refuse an infeasible one unless --force.
+
+    A stage whose model config cannot be read here (a path only the cluster sees) is
+    reported and not checked.
+    """
+    gpu_stages = [stage for stage in plan.stages if stage.kind == "rl" and stage.resources.gpus_per_node > 0]
+    if not gpu_stages:
+        return
+    failures = []
+    for stage in gpu_stages:
+        rollout = stage.resources.rollout
+        model = (rollout.model_path if rollout is not None and rollout.model_path else stage.config.policy)
+        try:
+            dims = planner.load_model_dims(model)
+        except Exception as error:  # noqa: BLE001 -- any unreadable model: the plan is skipped, not the launch
+            out(f"plan: {stage.name} not checked ({error})")
+            continue
+        result = planner.plan(stage_inputs(stage.config, dims, resources=stage.resources, args=args, num_runs=1,
+                                           gpus_per_node=stage.resources.gpus_per_node))
+        out(format_plan(result, title=stage.name))
+        if not result.fits:
+            failures.append(f"{stage.name}: " + "; ".join(result.problems))
+    if failures and not args.force:
+        raise UserError("the plan refuses: " + " | ".join(failures) + " (winnow plan shows why; --force launches anyway)")
+
+
+
+

@@ -1,0 +1,740 @@
+"""The planner: per-GPU memory, KV-cache capacity, context, step time and GPU-hours of an RL job.
+
+Pure functions over small dataclasses; ``pipeline/cli/plan.py`` fills ``PlanInputs`` from a
+model's ``config.json``, a stage config or campaign recipe, a cluster profile and flags, and
+prints the result. Nothing here imports torch or megatron.
+
+What it models, and from where:
+
+* **Model states** (``model_state_bytes``): megatron-core 0.16.1's mixed-precision Adam as
+  winnow's actor builds it (``pipeline/trainer/actor.py``): bf16 weights (2 bytes/param),
+  fp32 gradients in megatron's DDP ``main_grad`` buffer (``grad_reduce_in_fp32=True``:
+  4 bytes), and ``Float16OptimizerWithFloat16Params``' fp32 master weights plus Adam's
+  two fp32 moments (12 bytes). With fp32 precision: 4 + 4 + 8 (``FP32Optimizer`` keeps no
+  master copy). With the distributed optimizer the 12 (or 8) optimizer bytes are divided by
+  the data-parallel size; the gradient buffer is not (megatron's ``DistributedOptimizer``
+  reduce-scatters into the full ``grad_data`` buffer and each rank steps its shard):
+  ZeRO stage 1, Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models", §5.1 (P_os), and megatron-core's ``docs/source/api-guide/dist_optimizer.md``
+  table (bf16 params, fp32 grads: 6 + 12/d bytes per parameter).
+* **Activations** (``layer_activation_bytes``): Korthikanti et al., "Reducing Activation
+  Recomputation in Large Transformer Models", §4.1 counts every tensor a layer saves for
+  backward (Eq. 1: ``sbh(34 + 5as/h)`` bytes for GPT-3's layer at 16 bits; Eq. 2 with tensor
+  parallelism, Eq. 4 with sequence parallelism; §5: selective recompute drops the ``5as/h``
+  attention-score term; full recompute keeps only each layer's input, ``2sbh``). Winnow's
+  layer differs from GPT-3's (RMSNorm, RoPE, grouped-query attention, SwiGLU, no dropout,
+  fused attention), so the same count is done for the layer megatron-core 0.16.1 builds,
+  per backend; ``korthikanti_gpt_layer_bytes`` keeps the paper's own formula for reference.
+  Neither backend stores the ``s²`` score matrix: the Transformer Engine spec (GPU) runs
+  flash/fused attention and the local spec (CPU) torch's ``scaled_dot_product_attention``
+  (``pipeline/models/local_modules.py``); both save only Q, K, V, the output and a float32
+  log-sum-exp per head and token. ``attention="unfused"`` adds the paper's score term for
+  what-ifs on megatron's unfused ``DotProductAttention``.
+* **Pipeline schedule**: with 1F1B the first stage holds ``min(p, m)`` micro-batches in
+  flight (Korthikanti §4.2.3; Narayanan et al., "Efficient Large-Scale Language Model
+  Training on GPU Clusters Using Megatron-LM", §2.2.1), stage ``i`` holds ``min(p − i, m)``;
+  the bubble is ``(p − 1)/(m + p − 1)`` of the step (ibid., §2.2.1).
+* **Log-prob head** (``head_buffer_bytes``): the float32 ``(chunk, V/t)`` working buffer of
+  ``pipeline.algorithms.logprobs.token_logprobs_and_entropy`` (``trainer.logprob_buffer_mib``,
+  smaller when a micro-batch has fewer tokens), a bf16 copy of its logit rows for a bf16
+  weight, and the float32 ``(V/t, h)`` weight-gradient accumulator of its backward.
+* **FLOPs** (``step_flops``): ``6·N`` per trained token for forward + backward plus the
+  attention term ``12·L·s·a·d`` (Narayanan et al. §5.1, Eq. 3, counted without causal
+  halving as Megatron-LM reports it), ``2·N`` (+ ``4·L·s·a·d``) per token for each extra
+  forward (π_old recompute, reference policy); rollout ``2·N`` per prompt and generated token
+  (attention ignored: decode is bound by memory bandwidth, which the rollout MFU absorbs).
+  MFUs are assumptions, printed with the result.
+* **KV cache** (``kv_cache_plan``): ``2·L·g·d·bytes`` per token (K and V of every layer),
+  split over a server's TP ranks (replicated when ``g < tp``); capacity is SGLang's
+  ``--mem-fraction-static`` share of the GPU minus the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pipeline.models.spec import ModelSpec
+
+__all__ = [
+    "GPUS",
+    "Assumptions",
+    "Cluster",
+    "GPUSpec",
+    "KVCachePlan",
+    "Layout",
+    "MemoryBreakdown",
+    "ModelDims",
+    "Plan",
+    "PlanInputs",
+    "TimePlan",
+    "TrainerSettings",
+    "Workload",
+    "candidate_layouts",
+    "head_buffer_bytes",
+    "korthikanti_gpt_layer_bytes",
+    "kv_cache_plan",
+    "layer_activation_bytes",
+    "memory_plan",
+    "model_state_bytes",
+    "pipeline_bubble",
+    "plan",
+    "smallest_fitting_layout",
+    "stage_parameters",
+    "step_flops",
+    "time_plan",
+]
+
+GIB = 1 << 30
+Precision = Literal["bf16", "fp32"]
+Recompute = Literal["none", "selective", "full"]
+Backend = Literal["te", "local"]
+Attention = Literal["fused", "unfused"]
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelDims:
+    """The dimensions the planner needs, read straight from a Hugging Face ``config.json``.
+
+    Not a ``ModelSpec``: the planner also sizes families the trainer does not build yet
+    (Qwen3, whose per-head q/k RMSNorm adds ``2·d`` parameters per layer).
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any] | str | Path, *, name: str | None = None) -> ModelDims:
+        """From a ``config.json`` dict, file or model folder (llama, qwen2, qwen3)."""
+        if not isinstance(config, Mapping):
+            path = Path(config)
+            path = path / "config.json" if path.is_dir() else path
+            if not path.is_file():
+                raise ValueError(f"config: no config.json at {path}")
+            name = name or (path.parent.name if path.name == "config.json" else path.stem)
+            config = json.loads(path.read_text())
+        model_type = config.get("model_type")
+        if model_type not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(f"model_type: the planner sizes llama, qwen2 and qwen3, got {model_type!r}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(config.get(key), int) or config[key] <= 0:
+                raise ValueError(f"{key}: required positive integer in config.json, got {config.get(key)!r}")
+        heads = config["num_attention_heads"]
+        return cls(
+            name=name or str(config.get("_name_or_path") or model_type),
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            ffn_hidden_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            # Class defaults of LlamaConfig / Qwen2Config / Qwen3Config when the key is absent.
+            max_position_embeddings=int(config.get("max_position_embeddings")
+                                        or {"llama": 2048, "qwen2": 32768, "qwen3": 32768}[model_type]),
+            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias")),
+            qk_norm=model_type == "qwen3",
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, *, name: str = "model") -> ModelDims:
+        """From a trainer ``ModelSpec`` (a winnow checkpoint's manifest holds one)."""
+        return cls(name=name, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                   ffn_hidden_size=spec.ffn_hidden_size, num_layers=spec.num_layers,
+                   num_attention_heads=spec.num_attention_heads, num_kv_heads=spec.num_query_groups,
+                   head_dim=spec.kv_channels, max_position_embeddings=spec.max_position_embeddings,
+                   qkv_bias=spec.qkv_bias, tie_embeddings=spec.tie_embeddings)
+
+    @property
+    def q_width(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_parameters(self, tp: int = 1) -> int:
+        """One decoder layer's parameters on one of ``tp`` tensor-parallel ranks (norms replicated)."""
+        h, qkv = self.hidden_size, self.q_width + 2 * self.kv_width
+        split = h * qkv + self.q_width * h + 3 * h * self.ffn_hidden_size + (qkv if self.qkv_bias else 0)
+        replicated = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        return split // tp + replicated
+
+    def num_parameters(self) -> int:
+        """All parameters, counting a tied embedding once."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+        return self.num_layers * self.layer_parameters() + embeddings + self.hidden_size
+
+
+# ------------------------------------------------------------------------------- inputs
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class GPUSpec:
+    name: str
+    memory_gib: float
+    peak_tflops: float  # dense bf16 tensor-core peak
+
+
+GPUS = {
+    # NVIDIA H100 SXM5 datasheet: 80 GB HBM3, 989 TFLOPS dense bf16 (1,979 with sparsity).
+    "h100": GPUSpec(name="H100 SXM 80GB", memory_gib=80 * 1e9 / GIB, peak_tflops=989.0),
+    # NVIDIA H200 datasheet: 141 GB HBM3e, same compute as H100 SXM.
+    "h200": GPUSpec(name="H200 141GB", memory_gib=141 * 1e9 / GIB, peak_tflops=989.0),
+}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Layout:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+    def __str__(self) -> str:
+        return f"TP={self.tensor_parallel} PP={self.pipeline_parallel} DP={self.data_parallel}"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TrainerSettings:
+    """How the trainer runs: what the actor does today unless a what-if flag says otherwise."""
+
+    precision: Precision = "bf16"
+    distributed_optimizer: bool = False  # the actor: use_distributed_optimizer=False
+    recompute: Recompute = "none"  # the actor: no activation recompute
+    backend: Backend = "te"  # te: Transformer Engine spec (GPU); local: megatron local modules (CPU)
+    attention: Attention = "fused"
+    sequence_parallel: bool = False  # the actor builds its model without it
+    grad_bytes: int = 4  # megatron DDP main_grad, grad_reduce_in_fp32=True
+    micro_batch_tokens: int = 8192
+    logprob_buffer_mib: int = 256
+    reference_model: bool = False  # algorithm.kl_coef > 0 loads a frozen copy
+    old_logprob_forward: bool = True  # trainer.old_logprobs == "recompute"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Workload:
+    """One RL step's shape and the run's length."""
+
+    prompts_per_step: int
+    trained_per_prompt: int  # responses per prompt that reach the update (group size)
+    sampled_per_prompt: int  # responses per prompt generated, worst case (ada_seq: its cap)
+    in_flight_per_prompt: int  # responses per prompt generated at once (one sampling round)
+    prompt_tokens: int  # the longest templated prompt
+    max_new_tokens: int
+    steps: int
+    num_runs: int = 1  # rl stages of the campaign (variants)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Cluster:
+    gpu: GPUSpec
+    trainer_nodes: int
+    gpus_per_node: int
+    rollout_nodes: int = 0
+    servers_per_node: int = 1
+    server_tensor_parallel: int = 1
+    reserve_gib: float = 4.0  # CUDA context, NCCL and cuBLAS workspaces per GPU
+    fragmentation: float = 0.10  # share of the rest the caching allocator may lose
+
+    @property
+    def trainer_gpus(self) -> int:
+        return self.trainer_nodes * self.gpus_per_node
+
+    @property
+    def rollout_gpus(self) -> int:
+        return self.rollout_nodes * self.gpus_per_node
+
+    @property
+    def usable_bytes(self) -> int:
+        return int((self.gpu.memory_gib - self.reserve_gib) * (1 - self.fragmentation) * GIB)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Assumptions:
+    mfu: float = 0.35  # trainer model-FLOP utilization
+    rollout_mfu: float = 0.10  # SGLang generation: decode is memory-bound
+    response_fraction: float = 1.0  # mean response length / max_new_tokens (1.0: every response hits the cap)
+    mem_fraction_static: float = 0.85  # SGLang --mem-fraction-static: weights + KV cache share of a GPU
+    server_bytes_per_param: int = 2  # SGLang serves bf16
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PlanInputs:
+    dims: ModelDims
+    layout: Layout
+    trainer: TrainerSettings
+    workload: Workload
+    cluster: Cluster
+    assumptions: Assumptions = field(default_factory=Assumptions)
+
+    @property
+    def seq_length(self) -> int:
+        return self.workload.prompt_tokens + self.workload.max_new_tokens
+
+
+# ------------------------------------------------------------------------------- memory
+
+
+def stage_parameters(dims: ModelDims, layout: Layout) -> list[int]:
+    """Parameters one TP rank of each pipeline stage holds.
+
+    Layers split evenly (megatron's ``get_num_layers_to_build``; winnow's factory requires
+    ``L % p == 0``); the embedding on the first stage, final norm and output layer on the
+    last, a tied embedding's copy on the last stage too when ``p > 1`` (megatron keeps it as
+    ``output_layer.weight``). Vocabulary rows split over TP.
+    """
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    layers = dims.num_layers // pp * dims.layer_parameters(tp)
+    vocab_rows = math.ceil(dims.vocab_size / tp) * dims.hidden_size
+    stages = []
+    for stage in range(pp):
+        params = layers
+        if stage == 0:
+            params += vocab_rows
+        if stage == pp - 1:
+            params += dims.hidden_size
+            if not dims.tie_embeddings or pp > 1:
+                params += vocab_rows
+        stages.append(params)
+    return stages
+
+
+def model_state_bytes(num_params: int, *, trainer: TrainerSettings, data_parallel: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes of ``num_params`` local parameters.
+
+    bf16: 2 + ``grad_bytes`` + 12 (fp32 master, Adam m and v); fp32: 4 + ``grad_bytes`` + 8.
+    The distributed optimizer divides the optimizer state by ``data_parallel`` (ZeRO §5.1
+    P_os; megatron-core's distributed-optimizer table: 6 + 12/d for bf16 with fp32 grads).
+    """
+    weight_bytes = 2 if trainer.precision == "bf16" else 4
+    optimizer_bytes = 12 if trainer.precision == "bf16" else 8
+    optimizer = num_params * optimizer_bytes
+    if trainer.distributed_optimizer:
+        optimizer = math.ceil(optimizer / data_parallel)
+    return num_params * weight_bytes, num_params * trainer.grad_bytes, optimizer
+
+
+def korthikanti_gpt_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
+                                recompute: Recompute = "none") -> int:
+    """The paper's per-layer activation bytes for GPT-3's layer at 16 bits (Korthikanti et al.).
+
+    Eq. 1 (t = 1): ``sbh(34 + 5as/h)``; Eq. 2 (TP): ``sbh(10 + 24/t + 5as/(ht))``;
+    Eq. 4 (TP + SP): ``sbh(34/t + 5as/(ht))``; Eq. 6 / §5 selective recompute drops the
+    ``5as/h`` term; full recompute stores ``2sbh`` (the layer input, /t with SP).
+    """
+    if recompute == "full":
+        return 2 * s * b * h // (t if sequence_parallel else 1)
+    scores = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    linear = 34 / t if sequence_parallel else 10 + 24 / t
+    return int(s * b * h * (linear + scores))
+
+
+def layer_activation_bytes(dims: ModelDims, *, tokens: int, seq_length: int, tp: int, trainer: TrainerSettings
+                           ) -> int:
+    """Bytes one decoder layer saves for backward on one TP rank for a micro-batch of ``tokens``.
+
+    Korthikanti §4.1's count applied to megatron-core 0.16.1's RMSNorm/RoPE/GQA/SwiGLU layer
+    (``w`` = 2 bytes for bf16, 4 for fp32; ``q = a·d``, ``k = g·d``, ``F`` the SwiGLU width;
+    replicated over TP without sequence parallelism, ``/t`` with it; the rest ``/t``):
+
+    * te (Transformer Engine): fused RMSNorm+linear saves the input and the normalized
+      output, ``2wh`` + 4 (rstd), twice; attention saves the fused QKV output (V is a view of
+      it), RoPE'd Q and K, the output (also ``linear_proj``'s input) and a float32
+      log-sum-exp, ``w(3q + 3k) + 4a/… ``; fused SwiGLU saves ``fc1``'s output and ``fc2``'s
+      input, ``3wF``.
+    * local (megatron local modules with torch RMSNorm and SDPA, the CPU path): torch's
+      RMSNorm upcasts to float32 and saves the float32 input and normalized tensor and rstd,
+      ``8h + 4``, twice, plus the two linear inputs ``2wh``; attention as above; the unfused
+      GLU saves ``fc1``'s output, ``silu(x_glu)``, ``x_linear + 0`` and the product, ``5wF``;
+      RoPE's cos/sin tables, ``4·w·d`` per position.
+
+    Recompute: "selective" (megatron's ``core_attn`` module) drops the log-sum-exp (and the
+    ``s²`` scores with ``attention="unfused"``); "full" keeps the layer input, ``wh``.
+    """
+    w = 2 if trainer.precision == "bf16" else 4
+    h, d, a = dims.hidden_size, dims.head_dim, dims.num_attention_heads
+    q, k, f = dims.q_width, dims.kv_width, dims.ffn_hidden_size
+    sp = tp if trainer.sequence_parallel else 1
+    if trainer.recompute == "full":
+        return tokens * w * h // sp
+    attention = w * (3 * q + 3 * k) // tp
+    lse = 0 if trainer.recompute == "selective" else 4 * a // tp
+    if trainer.backend == "te":
+        norms = (4 * w * h + 8) // sp
+        mlp = 3 * w * f // tp
+        rope = 0
+    else:
+        norms = (16 * h + 8 + 2 * w * h) // sp
+        mlp = 5 * w * f // tp
+        rope = 4 * w * d * seq_length  # per sequence position, once per micro-batch
+    scores = 0
+    if trainer.attention == "unfused" and trainer.recompute != "selective":
+        # Korthikanti Eq. 1's 5as²b for softmax output, dropout mask and dropout output, in
+        # bytes per token: 5·a·s/t (16-bit; the mask is 1 byte).
+        scores = 5 * a * seq_length // tp
+    return tokens * (norms + attention + lse + mlp + scores) + rope
+
+
+def _non_layer_activation_bytes(dims: ModelDims, *, tokens: int, tp: int, trainer: TrainerSettings,
+                                first: bool, last: bool) -> int:
+    """Token ids (first stage); final norm and the head's saved hidden states and statistics (last)."""
+    w = 2 if trainer.precision == "bf16" else 4
+    h = dims.hidden_size
+    total = 8 * tokens if first else 0
+    if last:
+        norm = w * h + 4 if trainer.backend == "te" else 8 * h + 4
+        # hidden (N, h), targets int64, ownership bool, three float32 statistics.
+        total += tokens * (norm + w * h + 8 + 1 + 12)
+    return total
+
+
+def head_buffer_bytes(dims: ModelDims, *, tokens: int, tp: int, trainer: TrainerSettings) -> int:
+    """Peak transient bytes of the chunked log-prob head on the last stage (its outputs excluded).
+
+    The actor's chunk is ``logprob_buffer_mib`` MiB of float32 ``(chunk, V/t)`` rows; the
+    working buffer (``_working_buffer``) holds ``min(chunk − chunk/16, tokens)`` logit rows
+    plus ``min(chunk/16, logit rows)`` scratch rows. A bf16 weight adds a bf16 copy of the
+    logit rows (the matmul output in forward, the logit gradient cast for ``grad_hidden`` in
+    backward); backward adds the float32 ``(V/t, h)`` weight-gradient accumulator.
+    """
+    vocab_local = math.ceil(dims.vocab_size / tp)
+    chunk = max(2, (trainer.logprob_buffer_mib << 20) // (4 * vocab_local))
+    scratch_rows = max(1, chunk // 16)
+    logit_rows = min(chunk - scratch_rows, tokens)
+    scratch_rows = min(scratch_rows, max(1, logit_rows))
+    block = (logit_rows + scratch_rows) * vocab_local * 4
+    low_precision_rows = logit_rows * vocab_local * 2 if trainer.precision == "bf16" else 0
+    return block + low_precision_rows + vocab_local * dims.hidden_size * 4
+
+
+def micro_batch_tokens(inputs: PlanInputs) -> int:
+    """Tokens of one micro-batch: whole rows of ``seq_length`` up to ``trainer.micro_batch_tokens``."""
+    seq = inputs.seq_length
+    return max(1, inputs.trainer.micro_batch_tokens // seq) * seq
+
+
+def num_micro_batches(inputs: PlanInputs) -> int:
+    """Micro-batches per step on one data-parallel rank (the trainer pads rows to the longest)."""
+    rows = inputs.workload.prompts_per_step * inputs.workload.trained_per_prompt
+    rows_per_rank = math.ceil(rows / inputs.layout.data_parallel)
+    rows_per_micro = max(1, inputs.trainer.micro_batch_tokens // inputs.seq_length)
+    return max(1, math.ceil(rows_per_rank / rows_per_micro))
+
+
+def pipeline_bubble(pipeline_parallel: int, num_micro: int) -> float:
+    """1F1B's idle share of a step: ``(p − 1)/(m + p − 1)`` (Narayanan et al. §2.2.1)."""
+    return (pipeline_parallel - 1) / (num_micro + pipeline_parallel - 1)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class MemoryBreakdown:
+    """Bytes on one GPU of one pipeline stage."""
+
+    stage: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    activations_no_recompute: int
+    activations_full_recompute: int
+    head_buffer: int
+    reference_weights: int
+    in_flight_micro_batches: int
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.head_buffer
+                + self.reference_weights)
+
+
+def memory_plan(inputs: PlanInputs) -> list[MemoryBreakdown]:
+    """Every pipeline stage's per-GPU memory; the worst is what must fit."""
+    dims, layout, trainer = inputs.dims, inputs.layout, inputs.trainer
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    tokens = micro_batch_tokens(inputs)
+    num_micro = num_micro_batches(inputs)
+    layers_per_stage = dims.num_layers // pp
+    weight_bytes = 2 if trainer.precision == "bf16" else 4
+    stages = []
+    for stage, params in enumerate(stage_parameters(dims, layout)):
+        weights, grads, optimizer = model_state_bytes(params, trainer=trainer, data_parallel=layout.data_parallel)
+        first, last = stage == 0, stage == pp - 1
+        in_flight = min(pp - stage, num_micro)
+
+        def activations(recompute: Recompute, *, stage_first: bool = first, stage_last: bool = last,
+                        micro: int = in_flight) -> int:
+            per_layer = layer_activation_bytes(dims, tokens=tokens, seq_length=inputs.seq_length, tp=tp,
+                                               trainer=replace(trainer, recompute=recompute))
+            extra = _non_layer_activation_bytes(dims, tokens=tokens, tp=tp, trainer=trainer, first=stage_first,
+                                                last=stage_last)
+            stored = micro * (layers_per_stage * per_layer + extra)
+            if recompute == "full":
+                # One layer's full activations exist while it is recomputed for its backward.
+                stored += layer_activation_bytes(dims, tokens=tokens, seq_length=inputs.seq_length, tp=tp,
+                                                 trainer=replace(trainer, recompute="none"))
+            return stored
+
+        stages.append(MemoryBreakdown(
+            stage=stage, weights=weights, gradients=grads, optimizer=optimizer,
+            activations=activations(trainer.recompute), activations_no_recompute=activations("none"),
+            activations_full_recompute=activations("full"),
+            head_buffer=head_buffer_bytes(dims, tokens=tokens, tp=tp, trainer=trainer) if last else 0,
+            reference_weights=params * weight_bytes if trainer.reference_model else 0,
+            in_flight_micro_batches=in_flight,
+        ))
+    return stages
+
+
+# ------------------------------------------------------------------------------ rollout
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class KVCachePlan:
+    bytes_per_token: int  # one server GPU's share
+    server_weights: int  # one server GPU's share
+    capacity_tokens: int  # per server
+    in_flight_tokens: int  # per server, one sampling round of a step, every sequence at full length
+    num_servers: int
+
+    @property
+    def waves(self) -> int:
+        """Rounds SGLang needs when a step's sequences do not all fit at once (1: they do)."""
+        if self.capacity_tokens <= 0:
+            return 0
+        return max(1, math.ceil(self.in_flight_tokens / self.capacity_tokens))
+
+
+def kv_cache_plan(inputs: PlanInputs) -> KVCachePlan | None:
+    """KV-cache capacity of one SGLang server GPU against the tokens a step keeps in flight."""
+    cluster, dims = inputs.cluster, inputs.dims
+    if cluster.rollout_nodes == 0:
+        return None
+    tp = cluster.server_tensor_parallel
+    kv_heads_local = max(1, dims.num_kv_heads // tp)  # fewer KV heads than ranks: replicated
+    bytes_per_token = 2 * dims.num_layers * kv_heads_local * dims.head_dim * 2  # bf16 K and V
+    weights = math.ceil(dims.num_parameters() * inputs.assumptions.server_bytes_per_param / tp)
+    budget = int(cluster.gpu.memory_gib * GIB * inputs.assumptions.mem_fraction_static) - weights
+    num_servers = cluster.rollout_nodes * cluster.servers_per_node
+    sequences = inputs.workload.prompts_per_step * inputs.workload.in_flight_per_prompt
+    in_flight = math.ceil(sequences / num_servers) * inputs.seq_length
+    return KVCachePlan(bytes_per_token=bytes_per_token, server_weights=weights,
+                       capacity_tokens=max(0, budget // bytes_per_token), in_flight_tokens=in_flight,
+                       num_servers=num_servers)
+
+
+# ---------------------------------------------------------------------------------- time
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TimePlan:
+    train_flops: float
+    rollout_flops: float
+    train_s: float
+    rollout_s: float
+    bubble: float
+
+    @property
+    def step_s(self) -> float:
+        return self.train_s + self.rollout_s
+
+
+def step_flops(inputs: PlanInputs) -> tuple[float, float]:
+    """(trainer, rollout) FLOPs of one step at the assumed mean response length."""
+    dims, workload, trainer = inputs.dims, inputs.workload, inputs.trainer
+    n = dims.num_parameters()
+    response = workload.max_new_tokens * inputs.assumptions.response_fraction
+    seq = workload.prompt_tokens + response
+    attention = dims.num_layers * seq * dims.q_width  # per token: 12× of this fwd+bwd, 4× per forward
+    trained = workload.prompts_per_step * workload.trained_per_prompt * seq
+    forwards = int(trainer.old_logprob_forward) + int(trainer.reference_model)
+    train = trained * (6 * n + 12 * attention) + forwards * trained * (2 * n + 4 * attention)
+    sampled = workload.prompts_per_step * workload.sampled_per_prompt * seq
+    return float(train), float(2 * n * sampled)
+
+
+def time_plan(inputs: PlanInputs) -> TimePlan:
+    train, rollout = step_flops(inputs)
+    peak = inputs.cluster.gpu.peak_tflops * 1e12
+    bubble = pipeline_bubble(inputs.layout.pipeline_parallel, num_micro_batches(inputs))
+    train_s = train / (inputs.cluster.trainer_gpus * peak * inputs.assumptions.mfu) / (1 - bubble)
+    rollout_gpus = inputs.cluster.rollout_gpus or inputs.cluster.trainer_gpus
+    rollout_s = rollout / (rollout_gpus * peak * inputs.assumptions.rollout_mfu)
+    return TimePlan(train_flops=train, rollout_flops=rollout, train_s=train_s, rollout_s=rollout_s, bubble=bubble)
+
+
+# ---------------------------------------------------------------------------------- plan
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Plan:
+    inputs: PlanInputs
+    stages: list[MemoryBreakdown]
+    kv: KVCachePlan | None
+    time: TimePlan
+    problems: list[str]  # every reason the job will not run as configured
+    smallest_layout: Layout | None  # the smallest TP×PP that fits on this cluster (None: none does)
+
+    @property
+    def worst(self) -> MemoryBreakdown:
+        return max(self.stages, key=lambda stage: stage.total)
+
+    @property
+    def margin_bytes(self) -> int:
+        """Usable per-GPU memory minus the worst stage's need (negative: short by that much)."""
+        return self.inputs.cluster.usable_bytes - self.worst.total
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def gpu_hours(self) -> float:
+        gpus = self.inputs.cluster.trainer_gpus + self.inputs.cluster.rollout_gpus
+        return self.time.step_s * self.inputs.workload.steps * self.inputs.workload.num_runs * gpus / 3600
+
+
+def layout_problems(dims: ModelDims, layout: Layout, cluster: Cluster) -> list[str]:
+    """What megatron-core and winnow's factory refuse for this layout on this cluster."""
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    problems = []
+    if layout.model_parallel * layout.data_parallel != cluster.trainer_gpus:
+        problems.append(f"layout: TP×PP×DP = {layout.model_parallel * layout.data_parallel} ranks, the trainer has "
+                        f"{cluster.trainer_gpus} GPUs")
+    if tp > cluster.gpus_per_node:
+        problems.append(f"tensor_parallel: {tp} spans nodes ({cluster.gpus_per_node} GPUs per node)")
+    for name, count in (("num_attention_heads", dims.num_attention_heads), ("num_key_value_heads", dims.num_kv_heads),
+                        ("intermediate_size", dims.ffn_hidden_size), ("vocab_size", dims.vocab_size)):
+        if count % tp:
+            problems.append(f"tensor_parallel: {tp} does not divide {name}={count}")
+    if dims.num_layers % pp:
+        problems.append(f"pipeline_parallel: {pp} does not divide num_hidden_layers={dims.num_layers}")
+    return problems
+
+
+def _memory_problems(inputs: PlanInputs, stages: list[MemoryBreakdown]) -> list[str]:
+    worst = max(stages, key=lambda stage: stage.total)
+    usable = inputs.cluster.usable_bytes
+    if worst.total <= usable:
+        return []
+    return [f"memory: stage {worst.stage} needs {worst.total / GIB:.1f} GiB per GPU, "
+            f"{(worst.total - usable) / GIB:.1f} GiB more than the {usable / GIB:.1f} GiB usable"]
+
+
+def candidate_layouts(dims: ModelDims, cluster: Cluster) -> list[Layout]:
+    """Valid TP×PP layouts on the trainer GPUs, smallest model-parallel size first (TP before PP)."""
+    found = []
+    for tp in (1, 2, 4, 8, 16):
+        for pp in range(1, dims.num_layers + 1):
+            if cluster.trainer_gpus % (tp * pp):
+                continue
+            layout = Layout(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=cluster.trainer_gpus // (tp * pp))
+            if not layout_problems(dims, layout, cluster):
+                found.append(layout)
+    return sorted(found, key=lambda layout: (layout.model_parallel, layout.pipeline_parallel))
+
+
+def smallest_fitting_layout(inputs: PlanInputs) -> Layout | None:
+    """The first candidate layout whose worst stage fits the usable memory."""
+    for layout in candidate_layouts(inputs.dims, inputs.cluster):
+        trial = replace(inputs, layout=layout)
+        if not _memory_problems(trial, memory_plan(trial)):
+            return layout
+    return None
+
+
+def plan(inputs: PlanInputs) -> Plan:
+    """The verdict: memory per stage, KV cache, context, step time, and every problem found."""
+    problems = layout_problems(inputs.dims, inputs.layout, inputs.cluster)
+    stages = memory_plan(inputs)
+    problems += _memory_problems(inputs, stages)
+    context = inputs.dims.max_position_embeddings
+    if inputs.seq_length > context:
+        problems.append(f"context: a {inputs.workload.prompt_tokens}-token prompt + max_new_tokens="
+                        f"{inputs.workload.max_new_tokens} is {inputs.seq_length} tokens, more than the model's "
+                        f"{context} positions (max_new_tokens ≤ {context - inputs.workload.prompt_tokens} leaves "
+                        f"room for the prompt)")
+    kv = kv_cache_plan(inputs)
+    if kv is not None:
+        server_gpus = inputs.cluster.servers_per_node * inputs.cluster.server_tensor_parallel
+        if server_gpus > inputs.cluster.gpus_per_node:
+            problems.append(f"rollout: {inputs.cluster.servers_per_node} servers × TP "
+                            f"{inputs.cluster.server_tensor_parallel} need {server_gpus} GPUs per node, a node has "
+                            f"{inputs.cluster.gpus_per_node}")
+        if kv.capacity_tokens < inputs.seq_length:
+            problems.append(f"rollout: a server's KV cache holds {kv.capacity_tokens} tokens, less than one "
+                            f"{inputs.seq_length}-token sequence (weights {kv.server_weights / GIB:.1f} GiB per GPU)")
+    smallest = smallest_fitting_layout(inputs)
+    return Plan(inputs=inputs, stages=stages, kv=kv, time=time_plan(inputs), problems=problems,
+                smallest_layout=smallest)
+
+
+# ------------------------------------------------------------------------ from configs
+
+
+def load_model_dims(path: str | Path) -> ModelDims:
+    """A ``config.json``, a Hugging Face folder, or a winnow checkpoint (its manifest's spec)."""
+    path = Path(path)
+    if path.is_file() or (path / "config.json").is_file():
+        return ModelDims.from_hf_config(path)
+    from pipeline.checkpoint.artifact import checkpoint_spec, resolve_checkpoint
+
+    step_dir = resolve_checkpoint(path)
+    return ModelDims.from_spec(checkpoint_spec(step_dir), name=path.name)
+
+
+def workload_from_rl(cfg: Any, *, prompt_tokens: int, num_runs: int = 1) -> Workload:
+    """An ``RLConfig``'s step shape, worst case per sampling method.
+
+    ``single``: G samples per prompt, all at once; ``ada_seq``: rounds of ``round_size`` up to
+    ``max_samples`` per prompt, down-sampled to G for the update; ``dynamic`` (DAPO): up to
+    ``max_rounds`` rounds of G; Ada-Est budgets average G per prompt (the batch total is fixed).
+    """
+    algorithm = cfg.algorithm
+    group = cfg.group_size
+    sampled, in_flight = group, group
+    if algorithm.sampling == "ada_seq":
+        sampled, in_flight = algorithm.ada_seq.max_samples, algorithm.ada_seq.round_size
+    elif algorithm.sampling == "dynamic":
+        sampled = group * algorithm.dynamic.max_rounds
+    return Workload(prompts_per_step=cfg.prompts_per_step, trained_per_prompt=group, sampled_per_prompt=sampled,
+                    in_flight_per_prompt=in_flight, prompt_tokens=prompt_tokens, max_new_tokens=cfg.max_new_tokens,
+                    steps=cfg.steps, num_runs=num_runs)
+
+
+def trainer_settings_from_rl(cfg: Any, *, distributed_optimizer: bool, recompute: Recompute,
+                             backend: Backend = "te") -> TrainerSettings:
+    """The trainer as an ``RLConfig`` runs it, with the two options the trainer does not have yet
+    (``distributed_optimizer``, ``recompute``) given explicitly."""
+    return TrainerSettings(
+        precision=cfg.trainer.precision, distributed_optimizer=distributed_optimizer, recompute=recompute,
+        backend=backend, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        logprob_buffer_mib=cfg.trainer.logprob_buffer_mib, reference_model=cfg.algorithm.kl_coef > 0,
+        old_logprob_forward=cfg.trainer.old_logprobs == "recompute",
+    )
+
+
+def layout_from_rl(cfg: Any, *, trainer_gpus: int) -> Layout:
+    """``parallel.tensor_parallel`` × ``parallel.pipeline_parallel``; data parallel takes the rest."""
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    return Layout(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=max(1, trainer_gpus // (tp * pp)))
