@@ -157,6 +157,10 @@ class TrainerConfig:
     fp8: Literal["off", "delayed", "current"] = option(
         "off", help="Transformer Engine FP8 scaling recipe (GPU with TE only; delayed or current scaling)"
     )
+    recompute: Literal["none", "selective", "full"] = option(
+        "none", help="activation recompute in the backward: none; selective (megatron's core attention: drops the "
+        "5·a·s/h term per layer); full (keeps only each layer's input, recomputes the layer)"
+    )
     old_logprobs: Literal["recompute", "update_forward"] = option(
         "recompute", help="π_old: a separate forward pass before the update (logs the train/rollout mismatch), or "
         "the update's own forward (one update per batch makes them equal; saves a pass). Methods that weight "

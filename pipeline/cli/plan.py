@@ -8,9 +8,9 @@ sequences, the context check, the pipeline bubble, step time and GPU-hours at th
 assumptions, and the verdict with the smallest TP×PP layout that fits. Exit status 1 when
 the job does not fit. The planner itself is ``pipeline.launch.plan``.
 
-The trainer today has neither the distributed optimizer nor activation recompute; both are
-what-ifs here (``--distributed-optimizer``, ``--recompute``) until ``TrainerConfig`` gains
-them, when ``_trainer_options`` reads them from the config.
+Activation recompute is the config's ``trainer.recompute`` (``--recompute`` overrides it as a
+what-if); the distributed optimizer is a what-if (``--distributed-optimizer``) until the trainer
+shards its optimizer state. ``_trainer_options`` is the one place that reads them.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, *, with_nodes: bool =
         group.add_argument("--server-tp", type=int, default=None, help="SGLang --tp-size of each server")
     group.add_argument("--distributed-optimizer", action="store_true",
                        help="what-if: shard the optimizer state over data parallel (the trainer does not yet)")
-    group.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                       help="what-if: activation recompute (the trainer has none yet)")
+    group.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
+                       help="what-if: activation recompute (default: the config's trainer.recompute)")
     group.add_argument("--prompt-tokens", type=int, default=1024,
                        help="the longest templated prompt, in tokens (context and memory use it)")
     group.add_argument("--mfu", type=float, default=planner.Assumptions().mfu, help="assumed trainer MFU")
@@ -62,8 +62,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, *, with_nodes: bool =
                        help="assumed mean response length / max_new_tokens (time and GPU-hours only)")
 
 
-def _trainer_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"distributed_optimizer": args.distributed_optimizer, "recompute": args.recompute}
+def _trainer_options(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
+    return {"distributed_optimizer": args.distributed_optimizer,
+            "recompute": args.recompute if args.recompute is not None else cfg.trainer.recompute}
 
 
 def _gpus_per_node(args: argparse.Namespace) -> int:
@@ -90,7 +91,7 @@ def stage_inputs(cfg: Any, dims: planner.ModelDims, *, resources: Any, args: arg
     )
     return planner.PlanInputs(
         dims=dims, layout=planner.layout_from_rl(cfg, trainer_gpus=cluster.trainer_gpus),
-        trainer=planner.trainer_settings_from_rl(cfg, **_trainer_options(args)),
+        trainer=planner.trainer_settings_from_rl(cfg, **_trainer_options(args, cfg)),
         workload=planner.workload_from_rl(cfg, prompt_tokens=args.prompt_tokens, num_runs=num_runs),
         cluster=cluster,
         assumptions=planner.Assumptions(mfu=args.mfu, rollout_mfu=args.rollout_mfu,

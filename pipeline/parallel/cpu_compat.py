@@ -11,7 +11,9 @@ device-specific (measured on 0.16.1):
   dist-checkpointing exchange utilities;
 * ``torch.cuda.synchronize()`` in p2p communication and ``parallel_state``;
 * ``Tensor.type()`` compared with ``"torch.cuda.FloatTensor"`` and friends in
-  the optimizer.
+  the optimizer;
+* ``torch.cuda.random.get_rng_state()`` in activation recompute
+  (``tensor_parallel.checkpoint`` saves every generator's state to replay dropout).
 
 This module is the only place that papers over that. ``enable()`` does nothing
 when CUDA is available, so GPU runs execute megatron unmodified. On a
@@ -33,6 +35,11 @@ CPU-only machine it installs exactly the patches listed in ``PATCHES``:
     ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``). The cast
     form accepts the CUDA spelling back (``x.type("torch.cuda.FloatTensor")``
     casts on the CPU), so ``a.type(b.type())`` keeps working.
+``cuda_rng_state``
+    ``torch.cuda.random.get_rng_state`` returns an empty byte tensor: there is no
+    CUDA generator to save. Restoring goes through ``torch.cuda._lazy_call``, which
+    queues the call until CUDA initialises, i.e. never on a CPU machine; the CPU
+    generator megatron saves next to it is restored as usual.
 ``device_mode``
     A ``torch.overrides.TorchFunctionMode`` rewrites every CUDA device argument
     of a torch call (``device="cuda"``, ``"cuda:N"``, ``torch.device("cuda")``,
@@ -67,7 +74,8 @@ __all__ = ["PATCHES", "disable", "enable", "is_enabled", "is_cuda_device"]
 
 logger = logging.getLogger(__name__)
 
-PATCHES: tuple[str, ...] = ("current_device", "synchronize", "tensor_cuda", "tensor_type", "device_mode")
+PATCHES: tuple[str, ...] = ("current_device", "synchronize", "tensor_cuda", "tensor_type", "cuda_rng_state",
+                            "device_mode")
 
 _CPU = torch.device("cpu")
 
@@ -103,6 +111,11 @@ def _synchronize(device: Any = None) -> None:
     del device  # CPU kernels complete before the call that launched them returns.
 
 
+def _cuda_rng_state(device: Any = "cuda") -> torch.Tensor:
+    del device  # no CUDA generator exists; the CPU generator is saved separately
+    return torch.empty(0, dtype=torch.uint8)
+
+
 def _tensor_cuda(
     self: torch.Tensor,
     device: Any = None,
@@ -134,6 +147,7 @@ _TENSOR_PATCHES: dict[str, Callable[..., Any]] = {"cuda": _tensor_cuda, "type": 
 class _Installed:
     current_device: Callable[..., Any]
     synchronize: Callable[..., Any]
+    cuda_rng_state: Callable[..., Any]
     tensor_methods: dict[str, Any]
     # Methods torch.Tensor defines itself (restored by assignment) rather than
     # inherits from TensorBase (restored by deleting the override).
@@ -163,11 +177,13 @@ def enable() -> bool:
             _INSTALLED = _Installed(
                 current_device=torch.cuda.current_device,
                 synchronize=torch.cuda.synchronize,
+                cuda_rng_state=torch.cuda.random.get_rng_state,
                 tensor_methods={name: getattr(torch.Tensor, name) for name in _TENSOR_PATCHES},
                 tensor_own_methods=frozenset(name for name in _TENSOR_PATCHES if name in torch.Tensor.__dict__),
             )
             torch.cuda.current_device = _current_device
             torch.cuda.synchronize = _synchronize
+            torch.cuda.random.get_rng_state = _cuda_rng_state
             for name, patch in _TENSOR_PATCHES.items():
                 setattr(torch.Tensor, name, patch)
             logger.info("megatron-core CPU compatibility layer enabled: %s", ", ".join(PATCHES))
@@ -196,6 +212,7 @@ def disable() -> None:
             return
         torch.cuda.current_device = _INSTALLED.current_device
         torch.cuda.synchronize = _INSTALLED.synchronize
+        torch.cuda.random.get_rng_state = _INSTALLED.cuda_rng_state
         for name, original in _INSTALLED.tensor_methods.items():
             if name in _INSTALLED.tensor_own_methods:
                 setattr(torch.Tensor, name, original)

@@ -105,6 +105,18 @@ def _finalize_grads_without_token_scaling(models, num_tokens=None, **kwargs):
     return finalize_model_grads(models, None, **kwargs)
 
 
+# trainer.recompute → megatron's own TransformerConfig options (Korthikanti et al., "Reducing
+# Activation Recomputation in Large Transformer Models", §4-5). Per layer and micro-batch at 16-bit
+# with TP t: none keeps s·b·h·(34/t + 5·a·s/(h·t)) bytes; selective recomputes core attention and
+# drops the 5·a·s/h term (the s² scores; flash attention never stores them anyway); full keeps
+# only the layer input, 2·s·b·h bytes, for one extra forward of every layer in the backward.
+RECOMPUTE_OPTIONS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
 def _causal_mask(length: int, *, device: torch.device | None = None) -> torch.Tensor:
     # megatron's convention: True = masked. Always explicit: without one megatron
     # builds its causal mask on device="cuda".
@@ -140,6 +152,7 @@ class Actor:
         model = build_gpt_model(
             spec, parallel_context=context, seed=seed, layer_spec=(layer_spec, self.layer_spec_choice),
             params_dtype=torch.bfloat16 if bf16 else torch.float32, fp8=fp8,
+            config_overrides=RECOMPUTE_OPTIONS[trainer.recompute],
         )
         logger.info("actor layer spec: %s (%s)", self.layer_spec_choice.name, self.layer_spec_choice.reason)
         if context.is_pipeline_last:

@@ -57,6 +57,18 @@ def test_current_device_is_cpu(compat):
     assert torch.empty(3, device=torch.cuda.current_device()).device.type == "cpu"
 
 
+def test_megatron_activation_checkpoint_saves_and_replays_its_rng_states(compat):
+    # megatron's recompute (trainer.recompute) saves every generator's state in the forward and
+    # restores it before recomputing; without a CUDA generator that must still round-trip.
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    cpu_state, cuda_state, tracker_states = megatron_random._get_all_rng_states()
+    assert cuda_state.numel() == 0 and cpu_state.dtype == torch.uint8
+    drawn = torch.rand(3)
+    megatron_random._set_all_rng_states(cpu_state, cuda_state, tracker_states)
+    assert torch.equal(torch.rand(3), drawn)  # the CPU generator, restored, replays the same draw
+
+
 def test_synchronize_is_a_noop(compat):
     assert torch.cuda.synchronize() is None
     assert torch.cuda.synchronize(0) is None
@@ -158,12 +170,14 @@ def test_device_mode_is_per_thread_and_enable_covers_a_new_thread(compat):
 
 
 def test_enable_is_idempotent_and_disable_restores(no_compat):
-    original = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda, torch.Tensor.type)
+    original = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda, torch.Tensor.type,
+                torch.cuda.random.get_rng_state)
     assert cpu_compat.enable() and cpu_compat.enable()
     assert cpu_compat.is_enabled()
     cpu_compat.disable()  # one disable undoes both enables
     assert not cpu_compat.is_enabled()
-    assert (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda, torch.Tensor.type) == original
+    assert (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda, torch.Tensor.type,
+            torch.cuda.random.get_rng_state) == original
     assert "cuda" not in torch.Tensor.__dict__ and "type" not in torch.Tensor.__dict__
     assert torch.ones(1).type() == "torch.FloatTensor"
     with pytest.raises((RuntimeError, AssertionError)):
