@@ -23,6 +23,7 @@ from pipeline.config import (
     DemoConfig,
     LoggingConfig,
     OptimConfig,
+    ParallelConfig,
     RewardConfig,
     RLConfig,
     TrainerConfig,
@@ -95,29 +96,36 @@ def demo_campaign(cfg: DemoConfig) -> CampaignPlan:
 # ================================================================ H100
 
 
-def h100_rl(*, model_dir: str) -> RLConfig:
-    """A plain GRPO config for a 7-8B policy: the base the paper presets replace (``rl=`` argument)."""
+def h100_rl(*, model_dir: str, tensor_parallel: int, max_new_tokens: int = 4096,
+            micro_batch_tokens: int = 32768) -> RLConfig:
+    """A plain GRPO config for a 1.5-8B policy: the base the paper presets replace (``rl=`` argument).
+
+    ``tensor_parallel``, ``max_new_tokens`` and ``micro_batch_tokens`` are what ``winnow plan``
+    accepts for the model on 8×H100 (checked by ``tests/launch/test_plan.py``): bf16 weights with
+    fp32 gradients and Adam state take 18 bytes per parameter, 137 GB for a 7.6B model, so 7-8B
+    models need TP = 4; Qwen2.5-Math's 4,096 positions leave 3,072 new tokens after a prompt.
+    """
     return RLConfig(
         policy=model_dir, data=DataConfig(template="chat"), eval_set="math500", eval_samples=4,
-        prompts_per_step=128, group_size=8, max_new_tokens=4096, temperature=1.0, steps=500,
+        prompts_per_step=128, group_size=8, max_new_tokens=max_new_tokens, temperature=1.0, steps=500,
         optim=OptimConfig(lr=1e-6, total_steps=500, warmup_steps=10, weight_decay=0.01),
-        trainer=TrainerConfig(precision="bf16", micro_batch_tokens=32768),
+        parallel=ParallelConfig(tensor_parallel=tensor_parallel),
+        trainer=TrainerConfig(precision="bf16", micro_batch_tokens=micro_batch_tokens),
         reward=RewardConfig(num_workers=32),
         checkpoint=CheckpointConfig(every_steps=20),
         logging=LoggingConfig(progress=False),
     )
 
 
-def h100_campaign(*, name: str, model_dir: str, output_dir: str | Path, rl: RLConfig | None, nodes: int,
+def h100_campaign(*, name: str, model_dir: str, output_dir: str | Path, rl: RLConfig, nodes: int,
                   rollout: RolloutServers, time_limit: str = "04:00:00") -> CampaignPlan:
-    """A campaign on 8×H100 nodes: ``rl`` (default: :func:`h100_rl`) against plain GRPO.
+    """A campaign on 8×H100 nodes: ``rl`` against plain GRPO with the same layout and budgets.
 
     The rl jobs take ``nodes`` trainer nodes (8 ranks each) plus ``rollout.nodes`` nodes of
     SGLang servers; they get SIGUSR1 before their time limit, checkpoint and are requeued
     (up to 50 times: a 500-step run spans many 4-hour jobs).
     """
-    chosen = rl or h100_rl(model_dir=model_dir)
-    chosen = dataclasses.replace(chosen, policy=chosen.policy or model_dir)
+    chosen = dataclasses.replace(rl, policy=rl.policy or model_dir)
     baseline = dataclasses.replace(chosen, algorithm=AlgorithmConfig())
     trainer = Resources(nodes=nodes, ranks_per_node=8, gpus_per_node=8, rollout=rollout, time_limit=time_limit,
                         requeues=50)
@@ -153,21 +161,24 @@ def _train_from_converted_policy(plan: CampaignPlan, *, hf_dir: str) -> Campaign
 
 def qwen25_math_7b(*, output_dir: str | Path, model_dir: str = "/models/Qwen2.5-Math-7B",
                    rl: RLConfig | None = None) -> CampaignPlan:
-    """Qwen2.5-Math-7B: 2 trainer nodes; 1 rollout node of 8 single-GPU SGLang servers (7B fits one H100)."""
+    """Qwen2.5-Math-7B: 2 trainer nodes at TP=4; 1 rollout node of 8 single-GPU SGLang servers (7B fits one H100)."""
+    rl = rl or h100_rl(model_dir=model_dir, tensor_parallel=4, max_new_tokens=3072, micro_batch_tokens=8192)
     return h100_campaign(name="qwen25-math-7b", model_dir=model_dir, output_dir=output_dir, rl=rl, nodes=2,
                          rollout=RolloutServers(nodes=1, servers_per_node=8, tensor_parallel=1))
 
 
 def qwen25_math_1p5b(*, output_dir: str | Path, model_dir: str = "/models/Qwen2.5-Math-1.5B",
                      rl: RLConfig | None = None) -> CampaignPlan:
-    """Qwen2.5-Math-1.5B: 1 trainer node; 1 rollout node of 8 single-GPU servers."""
+    """Qwen2.5-Math-1.5B: 1 trainer node at TP=2; 1 rollout node of 8 single-GPU servers."""
+    rl = rl or h100_rl(model_dir=model_dir, tensor_parallel=2, max_new_tokens=3072)
     return h100_campaign(name="qwen25-math-1.5b", model_dir=model_dir, output_dir=output_dir, rl=rl, nodes=1,
                          rollout=RolloutServers(nodes=1, servers_per_node=8, tensor_parallel=1))
 
 
 def llama31_8b(*, output_dir: str | Path, model_dir: str = "/models/Llama-3.1-8B-Instruct",
                rl: RLConfig | None = None) -> CampaignPlan:
-    """Llama-3.1-8B: 2 trainer nodes; 2 rollout nodes of 4 two-GPU (TP=2) servers for its 128K-vocab KV cache."""
+    """Llama-3.1-8B: 2 trainer nodes at TP=4; 2 rollout nodes of 4 two-GPU (TP=2) servers for its 128K-vocab KV cache."""
+    rl = rl or h100_rl(model_dir=model_dir, tensor_parallel=4, micro_batch_tokens=8192)
     return h100_campaign(name="llama31-8b", model_dir=model_dir, output_dir=output_dir, rl=rl, nodes=2,
                          rollout=RolloutServers(nodes=2, servers_per_node=4, tensor_parallel=2))
 

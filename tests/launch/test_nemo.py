@@ -118,7 +118,7 @@ def test_slurm_dependencies_are_afterok_on_pending_parents(tmp_path, monkeypatch
     CampaignStatus(plan.output_dir).update("curate", "done")  # done before: no dependency on it
     _dryrun(plan, _h100(tmp_path), tmp_path)
     assert "curate" not in added
-    assert added["train-estimator"] == [] and added["rl-default"] == []
+    assert added["train-estimator"] == [] and added["rl-default"] == ["convert"]  # trains from the converted policy
     assert added["evaluate-default"] == ["rl-default"] and added["export-grpo"] == ["rl-grpo"]
 
 

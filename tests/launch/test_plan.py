@@ -107,8 +107,6 @@ def test_every_h100_paper_preset_fits_its_campaign_cluster(name):
     assert result.fits, result.problems
 
 
-@pytest.mark.xfail(strict=True, reason="recipes/campaigns.py's h100_rl asks for 4,096 new tokens (Qwen2.5-Math has "
-                   "4,096 positions) at TP=1 with 32,768-token micro-batches (264 GiB per GPU for 7B)")
 @pytest.mark.parametrize("recipe", sorted(CAMPAIGN_FIXTURES))
 def test_every_h100_campaign_fits(recipe, tmp_path):
     from pipeline.cli.plan import stage_inputs
