@@ -157,6 +157,10 @@ class TrainerConfig:
     fp8: Literal["off", "delayed", "current"] = option(
         "off", help="Transformer Engine FP8 scaling recipe (GPU with TE only; delayed or current scaling)"
     )
+    distributed_optimizer: bool | None = option(
+        None, help="shard the fp32 master weights and Adam moments over data-parallel ranks (megatron's distributed "
+        "optimizer: 12 bytes per parameter / DP); null: on when data_parallel > 1"
+    )
     recompute: Literal["none", "selective", "full"] = option(
         "none", help="activation recompute in the backward: none; selective (megatron's core attention: drops the "
         "5·a·s/h term per layer); full (keeps only each layer's input, recomputes the layer)"

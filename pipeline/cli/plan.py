@@ -8,9 +8,10 @@ sequences, the context check, the pipeline bubble, step time and GPU-hours at th
 assumptions, and the verdict with the smallest TP×PP layout that fits. Exit status 1 when
 the job does not fit. The planner itself is ``pipeline.launch.plan``.
 
-Activation recompute is the config's ``trainer.recompute`` (``--recompute`` overrides it as a
-what-if); the distributed optimizer is a what-if (``--distributed-optimizer``) until the trainer
-shards its optimizer state. ``_trainer_options`` is the one place that reads them.
+Activation recompute and the distributed optimizer are the config's ``trainer.recompute`` and
+``trainer.distributed_optimizer`` (on by default whenever DP > 1); ``--recompute`` and
+``--distributed-optimizer on|off`` override them as what-ifs. ``_trainer_options`` is the one
+place that reads them.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, *, with_nodes: bool =
                            help="SGLang nodes (default: the recipe's, else 0)")
         group.add_argument("--servers-per-node", type=int, default=None, help="SGLang servers per rollout node")
         group.add_argument("--server-tp", type=int, default=None, help="SGLang --tp-size of each server")
-    group.add_argument("--distributed-optimizer", action="store_true",
-                       help="what-if: shard the optimizer state over data parallel (the trainer does not yet)")
+    group.add_argument("--distributed-optimizer", choices=["on", "off"], default=None,
+                       help="what-if: shard the optimizer state over data parallel (default: the config's "
+                            "trainer.distributed_optimizer, on when DP > 1)")
     group.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
                        help="what-if: activation recompute (default: the config's trainer.recompute)")
     group.add_argument("--prompt-tokens", type=int, default=1024,
@@ -63,7 +65,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, *, with_nodes: bool =
 
 
 def _trainer_options(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
-    return {"distributed_optimizer": args.distributed_optimizer,
+    # null in the config means "on when DP > 1"; sharding over DP = 1 divides by one, so on is exact.
+    configured = cfg.trainer.distributed_optimizer is not False
+    return {"distributed_optimizer": configured if args.distributed_optimizer is None else args.distributed_optimizer == "on",
             "recompute": args.recompute if args.recompute is not None else cfg.trainer.recompute}
 
 

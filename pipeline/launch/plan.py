@@ -220,8 +220,8 @@ class TrainerSettings:
     """How the trainer runs: what the actor does today unless a what-if flag says otherwise."""
 
     precision: Precision = "bf16"
-    distributed_optimizer: bool = False  # the actor: use_distributed_optimizer=False
-    recompute: Recompute = "none"  # the actor: no activation recompute
+    distributed_optimizer: bool = True  # the actor's default (trainer.distributed_optimizer: on when DP > 1)
+    recompute: Recompute = "none"  # the actor's default (trainer.recompute)
     backend: Backend = "te"  # te: Transformer Engine spec (GPU); local: megatron local modules (CPU)
     attention: Attention = "fused"
     sequence_parallel: bool = False  # the actor builds its model without it

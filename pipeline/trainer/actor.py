@@ -166,9 +166,12 @@ class Actor:
         # Grad sync and the tied-embedding all-reduce happen once per step in finalize.
         model.config.finalize_model_grads_func = _finalize_grads_without_token_scaling
         model.config.calculate_per_token_loss = True
+        self.distributed_optimizer = (context.data_parallel > 1 if trainer.distributed_optimizer is None
+                                      else trainer.distributed_optimizer)
         self.model = DistributedDataParallel(
             model.config,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                          use_distributed_optimizer=self.distributed_optimizer),
             model,
         )
         # Without TE or Apex this is torch's AdamW in its default (per-parameter) implementation. Its fused
@@ -187,7 +190,7 @@ class Actor:
                 clip_grad=optim.clip_grad,
                 bf16=bf16,  # megatron then keeps fp32 master weights in the optimizer
                 fp16=False,
-                use_distributed_optimizer=False,
+                use_distributed_optimizer=self.distributed_optimizer,
             ),
             [self.model],
         )
@@ -196,6 +199,53 @@ class Actor:
     @property
     def trainable(self) -> bool:
         return self.optimizer is not None
+
+    def finish_optimizer_load(self) -> None:
+        """Restore each parameter's Adam ``step`` after a distributed-optimizer load, one tensor each.
+
+        Why: without Apex or TE, megatron-core 0.16.1 saves the step in the optimizer's param
+        groups, and on load (a) writes it into every parameter's state as *one shared* tensor,
+        which torch's Adam then increments in place once per parameter per step, and (b) copies
+        the per-parameter state over it from the loading template, whose step is the
+        placeholder's (``prepare_optimizer_for_load``). Either way Adam's bias correction is
+        wrong from the first update after a resume; the group's loaded step is the true one.
+        """
+        if not self.distributed_optimizer:
+            return
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for group in inner.optimizer.param_groups:
+                if group.get("step") is None:
+                    continue
+                for param in group["params"]:
+                    state = inner.optimizer.state[param]
+                    if "step" in state:
+                        state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype,
+                                                     device=state["step"].device)
+
+    def prepare_optimizer_for_load(self) -> None:
+        """Give a never-stepped distributed optimizer the per-parameter Adam state a checkpoint loads into.
+
+        Why: megatron-core 0.16.1's ``DistributedOptimizer.state_dict()`` reads every parameter's
+        ``step`` from torch's Adam state (without Apex or TE, i.e. on CPU and in plain pip GPU
+        installs), and builds its loading layout from ``state_dict()`` — but torch's Adam creates
+        that state lazily, at its first step, so a fresh optimizer asserts (``len(steps) == 1``).
+        One step on zero gradients creates it (megatron's own remedy,
+        ``_init_optimizer_states_with_dummy_values``); the weights and the state it touches
+        (weight decay moves the fp32 shards) are all overwritten by the load that follows.
+        A no-op for the regular optimizer, which loads into empty state.
+        """
+        if not self.distributed_optimizer:
+            return
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            adam = inner.optimizer
+            if all(len(adam.state[p]) for group in adam.param_groups for p in group["params"]):
+                continue
+            with torch.no_grad():  # the fp32 shards are views of the model's parameters
+                for group in adam.param_groups:
+                    for param in group["params"]:
+                        param.grad = torch.zeros_like(param)
+                adam.step()
+                adam.zero_grad()
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -30,17 +30,19 @@ def test_plan_refuses_and_exits_1(capsys):
                  "--nodes", "2", "parallel.tensor_parallel=1"])
     out = capsys.readouterr().out
     assert code == 1
-    assert "verdict: DOES NOT FIT" in out and "smallest fitting layout: TP=4 PP=1 DP=4" in out
+    # With the distributed optimizer (on by default at DP > 1) TP=2 already fits.
+    assert "verdict: DOES NOT FIT" in out and "smallest fitting layout: TP=2 PP=1 DP=8" in out
 
 
 def test_launch_refuses_an_infeasible_campaign_unless_forced(tmp_path):
-    from recipes.campaigns import qwen25_math_7b
+    from recipes.campaigns import h100_rl, qwen25_math_7b
 
     model_dir = tmp_path / "Qwen2.5-Math-7B"
     model_dir.mkdir()
     shutil.copy(FIXTURES / "Qwen2.5-Math-7B.json", model_dir / "config.json")
-    plan = qwen25_math_7b(output_dir=tmp_path / "run", model_dir=str(model_dir))
-    args = argparse.Namespace(gpu="h100", distributed_optimizer=False, recompute="none", prompt_tokens=1024,
+    too_big = h100_rl(model_dir=str(model_dir), tensor_parallel=1, max_new_tokens=3072)  # 7B at TP=1
+    plan = qwen25_math_7b(output_dir=tmp_path / "run", model_dir=str(model_dir), rl=too_big)
+    args = argparse.Namespace(gpu="h100", distributed_optimizer="off", recompute="none", prompt_tokens=1024,
                               mfu=0.35, rollout_mfu=0.1, response_fraction=1.0, force=False)
     printed: list[str] = []
     with pytest.raises(UserError, match="the plan refuses: rl-default"):
@@ -54,7 +56,7 @@ def test_launch_skips_the_check_when_the_model_is_only_on_the_cluster(tmp_path):
     from recipes.campaigns import qwen25_math_7b
 
     plan = qwen25_math_7b(output_dir=tmp_path / "run", model_dir=str(tmp_path / "absent"))
-    args = argparse.Namespace(gpu="h100", distributed_optimizer=False, recompute="none", prompt_tokens=1024,
+    args = argparse.Namespace(gpu="h100", distributed_optimizer="off", recompute="none", prompt_tokens=1024,
                               mfu=0.35, rollout_mfu=0.1, response_fraction=1.0, force=False)
     printed: list[str] = []
     check_campaign_plan(plan, args, out=printed.append)

@@ -19,7 +19,7 @@ PRESET_FIXTURES = {
 CAMPAIGN_FIXTURES = {"qwen25-math-7b": "Qwen2.5-Math-7B", "qwen25-math-1.5b": "Qwen2.5-Math-1.5B",
                      "llama31-8b": "Llama-3.1-8B"}
 ARGS = argparse.Namespace(gpu="h100", nodes=None, rollout_nodes=None, servers_per_node=None, server_tp=None,
-                          distributed_optimizer=False, recompute="none", prompt_tokens=1024, mfu=0.35,
+                          distributed_optimizer="off", recompute="none", prompt_tokens=1024, mfu=0.35,
                           rollout_mfu=0.10, response_fraction=1.0)
 
 
@@ -45,7 +45,7 @@ def test_model_states_reproduce_the_zero_papers_7_5b_figure():
     # ZeRO (Rajbhandari et al.) Fig. 1: Ψ = 7.5B, N_d = 64, fp16 grads, K = 12: 120 GB without
     # partitioning, 31.4 GB with P_os.
     psi = 7_500_000_000
-    zero = P.TrainerSettings(grad_bytes=2)
+    zero = P.TrainerSettings(grad_bytes=2, distributed_optimizer=False)
     assert sum(P.model_state_bytes(psi, trainer=zero, data_parallel=64)) == 120e9
     sharded = P.TrainerSettings(grad_bytes=2, distributed_optimizer=True)
     assert sum(P.model_state_bytes(psi, trainer=sharded, data_parallel=64)) / 1e9 == pytest.approx(31.4, abs=0.05)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pipeline.trainer.batch import balance_rows
 from tests.distributed_utils import run_distributed
-from tests.trainer.test_actor import SEED, _actor, _batch
+from tests.trainer.test_actor import SEED, _actor, _batch, _spec
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "d3s")
 
@@ -108,3 +108,50 @@ def test_a_rank_without_rows_trains_a_masked_placeholder():
     tokens = sorted(outcome[0] for outcome in outcomes)
     assert tokens[0] == 0 and tokens[1] > 0  # one rank got the row, the other a placeholder
     assert outcomes[0][1] == pytest.approx(outcomes[1][1]) and not any(outcome[2] for outcome in outcomes)
+
+
+def _optimizer_worker(rank, world_size, ckpt, distributed_optimizer):
+    from pipeline.checkpoint.manager import CheckpointManager
+    from pipeline.config import OptimConfig, TrainerConfig
+    from pipeline.parallel.context import ParallelContext
+    from pipeline.trainer.actor import Actor
+    from pipeline.trainer.losses import CrossEntropyLoss
+
+    context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=SEED)
+
+    def actor():
+        return Actor(spec=_spec(), context=context, optim=OptimConfig(lr=1e-2), seed=SEED,
+                     trainer=TrainerConfig(micro_batch_tokens=30, logprob_chunk_size=16,
+                                           distributed_optimizer=distributed_optimizer))
+
+    def state_bytes(trained):
+        inner = trained.optimizer.optimizer
+        return sum(t.numel() * t.element_size() for state in inner.state.values() for t in state.values()
+                   if torch.is_tensor(t) and t.dim() > 0)
+
+    trained = actor()
+    first = [trained.train_step(_batch(), CrossEntropyLoss()).loss for _ in range(2)]
+    manager = CheckpointManager(ckpt, keep_last=1, rank=context.rank, world_size=context.world_size)
+    manager.save(2, actor=trained, state={}, tensors={})
+    straight = [trained.train_step(_batch(), CrossEntropyLoss()) for _ in range(2)]
+    resumed_actor = actor()
+    manager.load(manager.newest_valid(), actor=resumed_actor)
+    resumed = [resumed_actor.train_step(_batch(), CrossEntropyLoss()) for _ in range(2)]
+    return {"distributed": trained.distributed_optimizer, "bytes": state_bytes(trained), "first": first,
+            "straight": [(s.loss, s.grad_norm) for s in straight], "resumed": [(s.loss, s.grad_norm) for s in resumed]}
+
+
+@pytest.mark.distributed
+def test_distributed_optimizer_halves_the_state_and_resumes_exactly(tmp_path):
+    """On by default at DP=2: each rank holds half of Adam's moments; a save/load resumes bit for bit."""
+    sharded = run_distributed(_optimizer_worker, world_size=2, args=(str(tmp_path / "a"), None))
+    replicated = run_distributed(_optimizer_worker, world_size=2, args=(str(tmp_path / "b"), False))
+    assert all(outcome["distributed"] for outcome in sharded) and not any(o["distributed"] for o in replicated)
+    full = replicated[0]["bytes"]
+    assert sum(outcome["bytes"] for outcome in sharded) == full  # the shards partition the state
+    assert all(0.4 * full <= outcome["bytes"] <= 0.6 * full for outcome in sharded)
+    for outcome in sharded:
+        assert outcome["resumed"] == outcome["straight"]  # exact, loss and gradient norm
+        assert outcome["first"] == pytest.approx(replicated[0]["first"], rel=1e-6)
+        assert [loss for loss, _ in outcome["straight"]] == pytest.approx(
+            [loss for loss, _ in replicated[0]["straight"]], rel=1e-5)
