@@ -129,6 +129,40 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         )
 
 
+
+def _zero_uninitialized_padding(optimizer_state: Any, actor) -> None:
+    """Zero the gap tensors megatron adds to a ``dp_reshardable`` optimizer state.
+
+    Why: megatron-core 0.16.1 fills the gaps between parameters in a distributed-optimizer
+    bucket with ``torch.empty`` tensors, so two saves of the same state write different bytes
+    (whatever memory held) and a checkpoint is not a deterministic function of the training
+    state. Every real tensor of that state is a view of the optimizer's own storage; any
+    ShardedTensor whose data lives elsewhere is padding, and padding is never read back.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    owned: set[int] = set()
+    for inner in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if adam is None:
+            continue
+        for group in adam.param_groups:
+            for param in group["params"]:
+                owned.add(param.untyped_storage().data_ptr())
+                owned.update(t.untyped_storage().data_ptr() for t in adam.state[param].values() if torch.is_tensor(t))
+    for model_param in actor.module.parameters():
+        owned.add(model_param.untyped_storage().data_ptr())
+    stack = [optimizer_state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        elif isinstance(node, ShardedTensor) and torch.is_tensor(node.data) and node.data.numel() \
+                and node.data.untyped_storage().data_ptr() not in owned:
+            node.data.zero_()
+
 class CheckpointManager:
     """Saves and restores checkpoints under one directory; every rank calls every method."""
 
@@ -199,9 +233,12 @@ class CheckpointManager:
             except OSError as error:
                 failure = error
         self._agree(failure, action="writing", final=final, tmp=tmp)
+        actor.prepare_optimizer_state()
         model_state = actor.module.sharded_state_dict()
         sharded_state = {"model": model_state,
                          "optimizer": actor.optimizer.sharded_state_dict(model_state, metadata=OPTIMIZER_METADATA)}
+        if actor.distributed_optimizer:
+            _zero_uninitialized_padding(sharded_state["optimizer"], actor)
         try:
             dist_checkpointing.save(sharded_state, str(tmp / WEIGHTS_DIR))
         except CheckpointException as error:
@@ -270,7 +307,7 @@ class CheckpointManager:
     def load(self, path: Path, *, actor) -> LoadedCheckpoint:
         """Restore weights, optimizer, schedule and RNG into ``actor``; return the run state."""
         self.verify(path)
-        actor.prepare_optimizer_for_load()
+        actor.prepare_optimizer_state()
         model_state = actor.module.sharded_state_dict()
         loaded = load_sharded_weights(
             {"model": model_state, "optimizer": actor.optimizer.sharded_state_dict(

@@ -207,7 +207,7 @@ class Actor:
         groups, and on load (a) writes it into every parameter's state as *one shared* tensor,
         which torch's Adam then increments in place once per parameter per step, and (b) copies
         the per-parameter state over it from the loading template, whose step is the
-        placeholder's (``prepare_optimizer_for_load``). Either way Adam's bias correction is
+        placeholder's (``prepare_optimizer_state``). Either way Adam's bias correction is
         wrong from the first update after a resume; the group's loaded step is the true one.
         """
         if not self.distributed_optimizer:
@@ -222,17 +222,17 @@ class Actor:
                         state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype,
                                                      device=state["step"].device)
 
-    def prepare_optimizer_for_load(self) -> None:
-        """Give a never-stepped distributed optimizer the per-parameter Adam state a checkpoint loads into.
+    def prepare_optimizer_state(self) -> None:
+        """Give a never-stepped distributed optimizer the Adam state a checkpoint save or load needs.
 
         Why: megatron-core 0.16.1's ``DistributedOptimizer.state_dict()`` reads every parameter's
         ``step`` from torch's Adam state (without Apex or TE, i.e. on CPU and in plain pip GPU
-        installs), and builds its loading layout from ``state_dict()`` — but torch's Adam creates
-        that state lazily, at its first step, so a fresh optimizer asserts (``len(steps) == 1``).
-        One step on zero gradients creates it (megatron's own remedy,
-        ``_init_optimizer_states_with_dummy_values``); the weights and the state it touches
-        (weight decay moves the fp32 shards) are all overwritten by the load that follows.
-        A no-op for the regular optimizer, which loads into empty state.
+        installs), and both saving and loading go through it — but torch's Adam creates that
+        state lazily, at its first step, so a fresh optimizer asserts (``len(steps) == 1``).
+        One step at learning rate 0 on zero gradients creates it, and resetting ``step`` to 0
+        leaves exactly the state Adam would start from: zero moments, no step taken, weights
+        untouched (decoupled weight decay is scaled by the learning rate). A no-op for an
+        optimizer that has stepped, and for the regular optimizer, which needs no such state.
         """
         if not self.distributed_optimizer:
             return
@@ -241,11 +241,18 @@ class Actor:
             if all(len(adam.state[p]) for group in adam.param_groups for p in group["params"]):
                 continue
             with torch.no_grad():  # the fp32 shards are views of the model's parameters
+                learning_rates = [group["lr"] for group in adam.param_groups]
                 for group in adam.param_groups:
+                    group["lr"] = 0.0
                     for param in group["params"]:
                         param.grad = torch.zeros_like(param)
                 adam.step()
                 adam.zero_grad()
+                for group, learning_rate in zip(adam.param_groups, learning_rates):
+                    group["lr"] = learning_rate
+                for state in adam.state.values():
+                    if "step" in state:
+                        state["step"] = torch.zeros_like(state["step"])
 
     # ------------------------------------------------------------------ helpers
     @property
