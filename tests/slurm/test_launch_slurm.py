@@ -125,7 +125,11 @@ def test_failed_stage_cancels_its_dependents_and_the_launcher_exits_nonzero(laun
 
 @pytest.mark.timeout(START_BUDGET_S + 600)
 def test_usr1_checkpoints_requeues_and_resumes(launch_profile, slurm_cluster: DevCluster, tmp_path):
-    stage = Stage(name="rl", kind="rl", config=_tiny_rl_config(tmp_path, steps=6), resources=Resources(requeues=2))
+    # Enough steps that the signal always lands mid-run: a tiny step takes tens of milliseconds on
+    # an idle machine, and six of them could finish between the first logged step and the signal.
+    num_steps = 30
+    stage = Stage(name="rl", kind="rl", config=_tiny_rl_config(tmp_path, steps=num_steps),
+                  resources=Resources(requeues=2))
     plan = CampaignPlan(name="requeue", output_dir=tmp_path, stages=[stage])
     submitted = launch_campaign(plan, options=LaunchOptions(executor="slurm", profile=launch_profile, wait=False))
     job_id = int(CampaignStatus(tmp_path).read()["rl"]["job_id"])
@@ -134,7 +138,7 @@ def test_usr1_checkpoints_requeues_and_resumes(launch_profile, slurm_cluster: De
     deadline = time.monotonic() + 400
     while not (metrics.exists() and any('"loss"' in line for line in metrics.read_text().splitlines())):
         assert time.monotonic() < deadline, f"no RL step after 400 s\n{_logs(tmp_path)}"
-        time.sleep(0.5)
+        time.sleep(0.1)
     # What --signal=USR1@N sends before the time limit, sent now: to every process of the job's steps.
     slurm_cluster.slurm("scancel", "--signal=USR1", str(job_id))
     record = slurm_cluster.wait_for_job(job_id, lambda r: r["JobState"] == "COMPLETED", timeout_s=500,
@@ -144,5 +148,5 @@ def test_usr1_checkpoints_requeues_and_resumes(launch_profile, slurm_cluster: De
     assert (status["state"], status["attempts"], status["restarts"]) == ("done", 2, 1), (status, _logs(tmp_path))
     steps = _trained_steps(tmp_path / "rl")
     # The first attempt checkpointed the step it stopped after; the second resumed from there to the last.
-    assert steps == list(range(1, 7)), steps
-    assert (tmp_path / "rl" / "checkpoints" / "step_00000006").is_dir()
+    assert steps == list(range(1, num_steps + 1)), steps
+    assert (tmp_path / "rl" / "checkpoints" / f"step_{num_steps:08d}").is_dir()
