@@ -11,8 +11,8 @@ widened.
 
 from __future__ import annotations
 
-import dataclasses
 import copy
+import dataclasses
 import re
 import types
 import typing
@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 import yaml
 
 from pipeline.errors import UserError
+from pipeline.io import atomic_write_text
 
 T = TypeVar("T")
 
@@ -327,14 +328,8 @@ def dump_yaml(obj: Any) -> str:
 
 
 def save_resolved(obj: Any, directory: str | Path, name: str = "config.yaml") -> Path:
-    """Write the resolved config next to a run's outputs (atomically)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / name
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(dump_yaml(obj))
-    tmp.replace(target)
-    return target
+    """Write the resolved config next to a run's outputs (atomically; every rank may call it at once)."""
+    return atomic_write_text(Path(directory) / name, dump_yaml(obj))
 
 
 def iter_options(cls: type, prefix: str = "", defaults: Any = None) -> typing.Iterator[tuple[str, str, Any, str]]:

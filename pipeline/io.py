@@ -73,6 +73,16 @@ def replace_durably(source: str | os.PathLike[str], target: str | os.PathLike[st
     fsync_directory(Path(target).parent)
 
 
+def _default_file_mode() -> int:
+    # mkstemp creates 0600 files; a published file gets the mode open() would have given it.
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+_FILE_MODE = _default_file_mode()
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` to produce the new file, then sync and rename it over ``path``.
 
@@ -87,6 +97,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
     tmp = Path(tmp_name)
     try:
         write(tmp)
+        os.chmod(tmp, _FILE_MODE)
         _fsync_file(tmp)
         replace_durably(tmp, target)
     except BaseException:

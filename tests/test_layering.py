@@ -205,7 +205,10 @@ def test_publishing_renames_only_in_io_and_the_checkpoint_manager():
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
                 continue
             called = ast.unparse(node.func)
-            if called in ("os.replace", "os.rename") or (node.func.attr == "rename" and not called.startswith("os.")):
+            # Path.replace(target) takes one argument; str/bytes.replace take two, and
+            # dataclasses.replace / datetime.replace take keywords.
+            path_replace = node.func.attr == "replace" and len(node.args) == 1 and not node.keywords
+            if called in ("os.replace", "os.rename") or node.func.attr == "rename" or path_replace:
                 violations.append(f"{relative}:{node.lineno} {called}(...)")
     assert not violations, "use pipeline.io's writers: " + ", ".join(violations)
 
