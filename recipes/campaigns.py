@@ -104,12 +104,16 @@ def h100_rl(*, model_dir: str, tensor_parallel: int, max_new_tokens: int = 4096,
     accepts for the model on 8×H100 (checked by ``tests/launch/test_plan.py``): bf16 weights with
     fp32 gradients and Adam state take 18 bytes per parameter, 137 GB for a 7.6B model, so 7-8B
     models need TP = 4; Qwen2.5-Math's 4,096 positions leave 3,072 new tokens after a prompt.
+    Rollouts are corrected by token-level TIS (``algorithm.rollout_correction``).
     """
     return RLConfig(
         policy=model_dir, data=DataConfig(template="chat"), eval_set="math500", eval_samples=4,
         prompts_per_step=128, group_size=8, max_new_tokens=max_new_tokens, temperature=1.0, steps=500,
         optim=OptimConfig(lr=1e-6, total_steps=500, warmup_steps=10, weight_decay=0.01),
         parallel=ParallelConfig(tensor_parallel=tensor_parallel),
+        # SGLang's bf16 kernels and the Megatron trainer disagree on log-probs token by token;
+        # truncated importance sampling (C = 2) keeps the update on-policy for the trainer.
+        algorithm=AlgorithmConfig(rollout_correction="tis"),
         trainer=TrainerConfig(precision="bf16", micro_batch_tokens=micro_batch_tokens),
         reward=RewardConfig(num_workers=32),
         checkpoint=CheckpointConfig(every_steps=20),
