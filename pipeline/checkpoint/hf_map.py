@@ -1,7 +1,10 @@
 """The one Hugging Face ⇄ megatron-core name/shape map for Llama-family decoders.
 
-Covers HF ``LlamaForCausalLM`` (Llama 3.x) and ``Qwen2ForCausalLM`` (Qwen2/2.5:
-q/k/v bias) with GQA, RMSNorm, SwiGLU and tied or untied embeddings, against
+Covers HF ``LlamaForCausalLM`` (Llama 3.x), ``Qwen2ForCausalLM`` (Qwen2/2.5: q/k/v
+bias) and ``Qwen3ForCausalLM`` (dense Qwen3: per-head q/k RMSNorm, ``self_attn.q_norm`` /
+``k_norm`` ⇄ ``self_attention.q_layernorm`` / ``k_layernorm``, one ``head_dim`` vector each,
+replicated over TP ranks and named alike in both layer specs) with GQA, RMSNorm, SwiGLU and
+tied or untied embeddings, against
 megatron-core 0.16.1 ``GPTModel`` built from either layer spec
 (``megatron/core/models/gpt/gpt_layer_specs.py``):
 
@@ -88,6 +91,7 @@ class When(enum.Enum):
 
     ALWAYS = "always"
     QKV_BIAS = "qkv_bias"
+    QK_LAYERNORM = "qk_layernorm"
     UNTIED = "untied"  # the HF model has its own lm_head
 
 
@@ -99,7 +103,7 @@ class ParamMapping:
     megatron_te: str | None = None  # TE-spec name where it differs from the local one
     hf: tuple[str, ...]
     # One symbolic shape per HF tensor: V vocab, H hidden, F ffn, Q heads * head_dim,
-    # KV query_groups * head_dim.
+    # KV query_groups * head_dim, D head_dim.
     hf_shapes: tuple[tuple[str, ...], ...]
     transform: Transform
     parallel: Parallel
@@ -158,6 +162,24 @@ PARAM_MAP: tuple[ParamMapping, ...] = (
         parallel=Parallel.COLUMN,
         stage=Stage.LAYER,
         when=When.QKV_BIAS,
+    ),
+    ParamMapping(
+        megatron=f"{_LAYER}.self_attention.q_layernorm.weight",
+        hf=(f"{_HF_LAYER}.self_attn.q_norm.weight",),
+        hf_shapes=(("D",),),
+        transform=Transform.IDENTITY,
+        parallel=Parallel.REPLICATED,
+        stage=Stage.LAYER,
+        when=When.QK_LAYERNORM,
+    ),
+    ParamMapping(
+        megatron=f"{_LAYER}.self_attention.k_layernorm.weight",
+        hf=(f"{_HF_LAYER}.self_attn.k_norm.weight",),
+        hf_shapes=(("D",),),
+        transform=Transform.IDENTITY,
+        parallel=Parallel.REPLICATED,
+        stage=Stage.LAYER,
+        when=When.QK_LAYERNORM,
     ),
     ParamMapping(
         megatron=f"{_LAYER}.self_attention.linear_proj.weight",
@@ -220,6 +242,8 @@ assert _OUTPUT.megatron == "output_layer.weight"
 def _applies(entry: ParamMapping, dims: ModelDims) -> bool:
     if entry.when is When.QKV_BIAS:
         return dims.qkv_bias
+    if entry.when is When.QK_LAYERNORM:
+        return dims.qk_layernorm
     if entry.when is When.UNTIED:
         return not dims.tie_embeddings
     return True
@@ -302,6 +326,7 @@ def _symbol_sizes(dims: ModelDims) -> dict[str, int]:
         "F": dims.ffn_hidden_size,
         "Q": dims.num_attention_heads * head_dim,
         "KV": dims.num_query_groups * head_dim,
+        "D": head_dim,
     }
 
 

@@ -1,6 +1,6 @@
 """Model architecture and the megatron ``GPTModel`` factory.
 
-* ``spec``: ``ModelSpec`` (Llama/Qwen2 architecture) <-> Hugging Face ``config.json``.
+* ``spec``: ``ModelSpec`` (Llama/Qwen2/Qwen3 architecture) <-> Hugging Face ``config.json``.
 * ``layer_spec``: ``select_layer_spec`` (Transformer Engine/FP8 or megatron's local
   modules), ``LayerSpecChoice``, ``FP8Options``.
 * ``factory``: ``build_transformer_config``, ``build_gpt_model``.

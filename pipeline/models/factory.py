@@ -3,9 +3,10 @@
 Two steps, kept apart so the trainer can inspect or adjust the config before
 any parameter is allocated:
 
-1. ``build_transformer_config(spec, choice=..., ...)``: the Llama/Qwen2
+1. ``build_transformer_config(spec, choice=..., ...)``: the Llama/Qwen2/Qwen3
    architecture (RMSNorm, SwiGLU via ``gated_linear_unit`` + ``F.silu``, GQA,
-   optional q/k/v bias, no other biases, no dropout) plus parallel sizes,
+   optional q/k/v bias, Qwen3's per-head q/k norms through ``qk_layernorm``, no
+   other biases, no dropout) plus parallel sizes,
    dtype, FP8 fields and kernel fusions for the chosen layer implementation.
 2. ``build_gpt_model(spec, parallel_context=..., ...)``: the ``GPTModel`` with
    RoPE (``rotary_base = rope_theta``; Llama-3 scaling through megatron's
@@ -158,6 +159,10 @@ def build_transformer_config(
         "activation_func": F.silu,
         "add_bias_linear": False,
         "add_qkv_bias": spec.qkv_bias,
+        # The layer spec builds the q/k norms; the flag makes finalize_model_grads sum their
+        # gradients over TP ranks (each rank normalizes only its own heads with the shared
+        # weight), which megatron-core 0.16.1 keys on the flag and the parameter names.
+        "qk_layernorm": spec.qk_layernorm,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "tensor_model_parallel_size": tensor_parallel,

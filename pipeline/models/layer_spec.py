@@ -160,13 +160,24 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def te_layer_spec() -> ModuleSpec:
-    """megatron's TE layer spec (norms fused into the following linear layers)."""
-    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+def te_layer_spec(*, qk_layernorm: bool = False) -> ModuleSpec:
+    """megatron's TE layer spec (norms fused into the following linear layers).
+
+    With ``qk_layernorm`` the q/k norms are separate ``TENorm`` modules
+    (``self_attention.q_layernorm`` / ``k_layernorm``), which honour
+    ``normalization="RMSNorm"`` like the fused ones.
+    """
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
 
 
-def local_layer_spec() -> ModuleSpec:
-    """A pre-norm decoder layer from megatron-core's local (non-TE) modules, torch RMSNorm, SDPA attention."""
+def local_layer_spec(*, qk_layernorm: bool = False) -> ModuleSpec:
+    """A pre-norm decoder layer from megatron-core's local (non-TE) modules, torch RMSNorm, SDPA attention.
+
+    With ``qk_layernorm`` ``SelfAttention`` builds a torch RMSNorm of ``head_dim`` weights for
+    queries and one for keys and applies them to the ``(T, B, heads, head_dim)`` tensors
+    before RoPE, as Qwen3 does (megatron-core 0.16.1 ``get_query_key_value_tensors``).
+    """
+    qk_norm = WrappedTorchNorm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -178,8 +189,8 @@ def local_layer_spec() -> ModuleSpec:
                     linear_qkv=ColumnParallelLinear,
                     core_attention=SDPADotProductAttention,
                     linear_proj=RowParallelLinear,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
@@ -213,8 +224,9 @@ def select_layer_spec(
 ) -> tuple[ModuleSpec, LayerSpecChoice]:
     """Pick the layer spec for this machine; see the module docstring for the rule.
 
-    Both supported families share one layer layout (RMSNorm, GQA attention with
-    optional q/k/v bias, SwiGLU MLP); the differences live in ``TransformerConfig``.
+    The supported families share one layer layout (RMSNorm, GQA attention with
+    optional q/k/v bias, SwiGLU MLP) plus, for Qwen3, per-head q/k norms; the other
+    differences live in ``TransformerConfig``.
     """
     fp8_enabled = fp8 is not None and fp8.enabled
     fp8_recipe = fp8.recipe if fp8_enabled else None
@@ -238,7 +250,8 @@ def select_layer_spec(
             if fp8_enabled:
                 raise ValueError(f"fp8.enabled: FP8 needs Transformer Engine and CUDA; missing {missing}")
             choice = LayerSpecChoice(name="local", reason=f"{missing} not available")
-    layer_spec = te_layer_spec() if choice.name == "te" else local_layer_spec()
+    build = te_layer_spec if choice.name == "te" else local_layer_spec
+    layer_spec = build(qk_layernorm=spec.qk_layernorm)
     logger.info(
         "%s layer spec: %s (%s), fp8 recipe: %s", spec.family, choice.name, choice.reason, choice.fp8_recipe
     )

@@ -96,6 +96,9 @@ class ModelDims(Protocol):
     tie_embeddings: bool
 
     @property
+    def qk_layernorm(self) -> bool: ...
+
+    @property
     def kv_channels(self) -> int: ...
 
 

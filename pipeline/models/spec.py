@@ -1,7 +1,10 @@
-"""``ModelSpec``: the architecture of a Llama/Qwen2 decoder, independent of megatron.
+"""``ModelSpec``: the architecture of a Llama/Qwen2/Qwen3 decoder, independent of megatron.
 
 A ``ModelSpec`` is read from (and written back to) a Hugging Face ``config.json``
-of ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``. Only what the megatron
+of ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``. Qwen3 (dense) is
+the Qwen2 layout without q/k/v biases plus an RMSNorm over each query and key head
+(``q_norm``/``k_norm``, applied before RoPE), with ``head_dim`` set explicitly (128 for
+every published size, which is not ``hidden_size / num_attention_heads`` for 4B or 8B). Only what the megatron
 ``GPTModel`` built by ``pipeline.models.factory`` reproduces exactly is accepted;
 every other feature is rejected with a ``ValueError`` that names the field, so a
 checkpoint never silently loads into a different architecture.
@@ -24,9 +27,13 @@ from typing import Any, Literal, Mapping
 
 __all__ = ["LLAMA3_ROPE_DEFAULTS", "ModelSpec"]
 
-Family = Literal["llama", "qwen2"]
+Family = Literal["llama", "qwen2", "qwen3"]
 
-_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 # megatron-core 0.16.1 implements Llama-3 RoPE scaling with these three values
 # hard-coded (RotaryEmbedding._apply_scaling); only `factor` reaches it from the
@@ -38,7 +45,7 @@ LLAMA3_ROPE_DEFAULTS: dict[str, float] = {
     "original_max_position_embeddings": 8192,
 }
 
-# Class defaults of LlamaConfig / Qwen2Config for keys a config.json may omit.
+# Class defaults of LlamaConfig / Qwen2Config / Qwen3Config for keys a config.json may omit.
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
         "max_position_embeddings": 2048,
@@ -48,6 +55,13 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "hidden_act": "silu",
     },
     "qwen2": {
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+    "qwen3": {
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
@@ -67,8 +81,10 @@ _REQUIRED_HF_KEYS = (
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ModelSpec:
-    """Architecture of a pre-norm RMSNorm/SwiGLU/RoPE decoder (Llama and Qwen2 families).
+    """Architecture of a pre-norm RMSNorm/SwiGLU/RoPE decoder (Llama, Qwen2 and Qwen3 families).
 
+    ``qk_layernorm`` (derived from the family): an RMSNorm of ``head_dim`` weights over every
+    query head and one over every key head, before RoPE (Qwen3's ``q_norm``/``k_norm``).
     ``rope_scaling`` is ``None`` or a Llama-3 scaling dict with keys ``rope_type``
     (``"llama3"``), ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
     ``original_max_position_embeddings``. ``head_dim`` defaults to
@@ -128,13 +144,18 @@ class ModelSpec:
             object.__setattr__(self, "rope_scaling", _validated_llama3_scaling(self.rope_scaling))
 
     @property
+    def qk_layernorm(self) -> bool:
+        """Whether every query and key head is RMS-normalized before RoPE (Qwen3)."""
+        return self.family == "qwen3"
+
+    @property
     def kv_channels(self) -> int:
         """Per-head dimension (megatron's ``kv_channels``)."""
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | str | Path) -> ModelSpec:
-        """Read a ``LlamaConfig``/``Qwen2Config`` dict, ``config.json`` path, or model directory."""
+        """Read a ``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` dict, ``config.json`` path, or model directory."""
         hf = _load_hf_config(config)
         model_type = hf.get("model_type")
         if model_type not in _ARCHITECTURES:
@@ -165,13 +186,20 @@ class ModelSpec:
                 raise ValueError("mlp_bias: biased MLP projections are not supported")
             qkv_bias = False
         else:
-            # Qwen2 always has q/k/v biases and an unbiased o_proj.
             if hf.get("use_sliding_window"):
                 raise ValueError("use_sliding_window: sliding-window attention is not supported")
             layer_types = hf.get("layer_types")
             if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
                 raise ValueError("layer_types: only 'full_attention' layers are supported")
-            qkv_bias = True
+            if model_type == "qwen2":
+                # Qwen2 always has q/k/v biases and an unbiased o_proj.
+                qkv_bias = True
+            else:
+                # Qwen3's attention_bias, like Llama's, would bias o_proj too; no released
+                # dense Qwen3 sets it.
+                if hf.get("attention_bias"):
+                    raise ValueError("attention_bias: biased q/k/v/o projections are not supported for qwen3")
+                qkv_bias = False
 
         rope_theta, rope_scaling = _read_rope(hf, default_theta=defaults["rope_theta"])
         num_heads = int(hf["num_attention_heads"])
@@ -219,8 +247,10 @@ class ModelSpec:
         }
         if self.family == "llama":
             config.update(attention_bias=False, mlp_bias=False)
-        else:
+        elif self.family == "qwen2":
             config.update(use_sliding_window=False)
+        else:
+            config.update(attention_bias=False, use_sliding_window=False)
         return config
 
     def to_dict(self) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from pipeline.checkpoint.hf_map import (
     expected_hf_shapes,
     expected_megatron_shapes,
     hf_to_megatron_tensor,
-    merge_tp,
     megatron_to_hf_tensors,
+    merge_tp,
     resolve_params,
     split_tp,
 )
@@ -48,12 +48,14 @@ def _megatron_gpt_model(spec, *, tie: bool):
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        kv_channels=spec.kv_channels,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
     )
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm),
         vocab_size=padded_vocab_size(spec.vocab_size, make_vocab_size_divisible_by=128, tp_size=1),
         max_sequence_length=64,
         position_embedding_type="rope",
@@ -103,11 +105,12 @@ def test_hf_names_and_shapes_match_transformers_models(case):
 
 
 def test_every_row_of_the_map_is_used_and_each_hf_tensor_once():
-    spec = tiny_spec("qwen2", tie_embeddings=False, num_layers=2)
-    params = list(resolve_params(spec, layout=MegatronLayout.build(spec)))
-    assert {p.entry for p in params} == set(PARAM_MAP)
-    hf_names = [name for p in params for name in p.hf_names]
-    assert len(hf_names) == len(set(hf_names)) == len(expected_hf_shapes(spec))
+    specs = [tiny_spec("qwen2", tie_embeddings=False, num_layers=2), tiny_spec("qwen3", tie_embeddings=False, num_layers=2)]
+    params = [list(resolve_params(spec, layout=MegatronLayout.build(spec))) for spec in specs]
+    assert {p.entry for stage in params for p in stage} == set(PARAM_MAP)
+    for spec, stage in zip(specs, params):
+        hf_names = [name for p in stage for name in p.hf_names]
+        assert len(hf_names) == len(set(hf_names)) == len(expected_hf_shapes(spec))
 
 
 # --- tensor layouts against loop references ---------------------------------------------------

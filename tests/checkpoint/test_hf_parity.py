@@ -27,7 +27,7 @@ def _spec(family, *, tied, groups, theta, scaling=None):
         family,
         tie_embeddings=tied,
         num_query_groups=groups,
-        hidden_size=64,  # head_dim 16: eight RoPE frequencies
+        hidden_size=64,  # head_dim 16 (Qwen3: 32): eight RoPE frequencies or more
         ffn_hidden_size=96,
         num_layers=2,
         rope_theta=theta,
@@ -42,6 +42,8 @@ PARITY_SPECS = {
     "qwen2-tied-mqa": _spec("qwen2", tied=True, groups=1, theta=1e6),
     "llama3-scaling-x8": _spec("llama", tied=False, groups=2, theta=500000.0, scaling=LLAMA3_SCALING),
     "llama3.2-scaling-x32": _spec("llama", tied=True, groups=2, theta=500000.0, scaling={**LLAMA3_SCALING, "factor": 32.0}),
+    # Qwen3-4B's shape of attention scaled down: tied, GQA, heads wider than hidden / heads.
+    "qwen3-tied-gqa-theta1e6": _spec("qwen3", tied=True, groups=2, theta=1e6),
 }
 
 
@@ -212,9 +214,11 @@ def _tp2_then_pp2_worker(rank: int, world_size: int, cases: list[tuple[object, d
 
 @pytest.mark.distributed
 def test_tp2_and_pp2_logits_match_hf_and_live_states_export_bit_exact():
-    # The factory rejects num_query_groups < TP, so both have two groups (= TP): one
-    # Qwen2 with biases, one tied Llama whose last PP stage holds the embedding copy.
-    specs = [PARITY_SPECS["qwen2-gqa-theta1e6"], PARITY_SPECS["llama3.2-scaling-x32"]]
+    # The factory rejects num_query_groups < TP, so all have two groups (= TP): one
+    # Qwen2 with biases, one tied Llama whose last PP stage holds the embedding copy, one
+    # Qwen3 whose replicated per-head q/k norms every TP rank applies to its own heads.
+    specs = [PARITY_SPECS["qwen2-gqa-theta1e6"], PARITY_SPECS["llama3.2-scaling-x32"],
+             PARITY_SPECS["qwen3-tied-gqa-theta1e6"]]
     hf_models = [build_hf_model(spec) for spec in specs]
     cases = [(spec, hf_saved_state(model, spec)) for spec, model in zip(specs, hf_models)]
     results = run_distributed(_tp2_then_pp2_worker, world_size=2, args=(cases,), timeout_s=240)
@@ -227,3 +231,16 @@ def test_tp2_and_pp2_logits_match_hf_and_live_states_export_bit_exact():
         for export in (rank0["tp_export"], rank0["pp_export"]):
             assert set(export) == set(hf_state)
             assert all(torch.equal(export[name], tensor) for name, tensor in hf_state.items())
+
+
+def test_qwen3_per_head_norms_reach_megatron(megatron_single_rank):
+    # Control for the Qwen3 parity case: megatron with the q/k norm weights reset to one (what
+    # a map that dropped them would leave) is far from HF, so the norms are applied, per head.
+    spec = PARITY_SPECS["qwen3-tied-gqa-theta1e6"]
+    hf_model = build_hf_model(spec)
+    expected = _hf_logits(hf_model, _batch(spec.vocab_size)[0])
+    state = hf_saved_state(hf_model, spec)
+    model = _megatron_model(spec, {name: torch.ones_like(t) if name.endswith(("q_norm.weight", "k_norm.weight")) else t
+                                   for name, t in state.items()})
+    assert model.decoder.layers[0].self_attention.q_layernorm.weight.shape == (spec.kv_channels,)
+    assert (_megatron_logits(model, spec) - expected).abs().max().item() > 100 * TOLERANCE

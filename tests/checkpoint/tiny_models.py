@@ -1,4 +1,4 @@
-"""Tiny random Llama/Qwen2 models for the checkpoint tests."""
+"""Tiny random Llama/Qwen2/Qwen3 models for the checkpoint tests."""
 
 from __future__ import annotations
 
@@ -30,7 +30,14 @@ def tiny_spec(
     vocab_size: int = 100,
     **overrides: Any,
 ) -> ModelSpec:
-    """A model small enough to convert in milliseconds; vocab 100 is not a multiple of 128 on purpose."""
+    """A model small enough to convert in milliseconds; vocab 100 is not a multiple of 128 on purpose.
+
+    Qwen3 gets heads wider than ``hidden_size / num_attention_heads`` unless ``head_dim`` is
+    given, as the published Qwen3-4B has (2,560 hidden, 32 heads of 128), so q/o projections
+    are not square and a head_dim mix-up changes shapes.
+    """
+    if family == "qwen3":
+        overrides.setdefault("head_dim", 2 * hidden_size // num_attention_heads)
     return ModelSpec(
         family=family,
         vocab_size=vocab_size,
@@ -46,7 +53,8 @@ def tiny_spec(
     )
 
 
-# (family, tied, query groups): Llama and Qwen2 each tied and untied, GQA and MHA.
+# (family, tied, query groups): Llama and Qwen2 each tied and untied, GQA and MHA; Qwen3
+# tied (as its 0.6B-4B sizes) and untied (8B and up).
 SPEC_CASES = [
     ("llama", False, 2),
     ("llama", True, 2),
@@ -54,6 +62,8 @@ SPEC_CASES = [
     ("qwen2", False, 2),
     ("qwen2", True, 1),
     ("qwen2", True, 4),
+    ("qwen3", True, 2),
+    ("qwen3", False, 4),
 ]
 
 
@@ -72,11 +82,20 @@ def random_hf_state(spec: ModelSpec, *, seed: int = 0, dtype: torch.dtype = torc
 
 
 def hf_model_class(spec: ModelSpec):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    if spec.family == "llama":
-        return LlamaForCausalLM, LlamaConfig
-    return Qwen2ForCausalLM, Qwen2Config
+    return {
+        "llama": (LlamaForCausalLM, LlamaConfig),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config),
+    }[spec.family]
 
 
 def build_hf_model(spec: ModelSpec, *, seed: int = 0) -> torch.nn.Module:
@@ -89,7 +108,8 @@ def build_hf_model(spec: ModelSpec, *, seed: int = 0) -> torch.nn.Module:
     config.initializer_range = 0.2
     torch.manual_seed(seed)
     model = model_class(config).eval()
-    # Norm weights start at one and biases at zero; randomize so every tensor matters.
+    # Norm weights (Qwen3's per-head q/k norms too) start at one and biases at zero;
+    # randomize so every tensor matters.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -31,6 +32,8 @@ SPEC = ModelSpec(
     qkv_bias=True,
 )
 TE_MARKER = ModuleSpec(module=torch.nn.Identity)
+TE_QK_MARKER = ModuleSpec(module=torch.nn.Identity)
+QWEN3 = dataclasses.replace(SPEC, family="qwen3", qkv_bias=False, head_dim=32)
 
 
 @pytest.fixture
@@ -40,7 +43,8 @@ def environment(monkeypatch):
     def set_environment(*, te: bool, cuda: bool) -> None:
         monkeypatch.setattr(layer_spec_module, "transformer_engine_available", lambda: te)
         monkeypatch.setattr(layer_spec_module, "cuda_available", lambda: cuda)
-        monkeypatch.setattr(layer_spec_module, "te_layer_spec", lambda: TE_MARKER)
+        monkeypatch.setattr(layer_spec_module, "te_layer_spec",
+                            lambda *, qk_layernorm: TE_MARKER if not qk_layernorm else TE_QK_MARKER)
 
     return set_environment
 
@@ -76,6 +80,16 @@ def test_te_when_both_present(environment):
     assert choice.name == "te" and choice.fp8_recipe is None
     assert choice.to_dict() == {"name": "te", "reason": "transformer_engine importable and CUDA available",
                                 "fp8_recipe": None}
+
+
+def test_qwen3_gets_per_head_q_and_k_norms_in_either_spec(environment):
+    environment(te=True, cuda=True)
+    assert select_layer_spec(QWEN3)[0] is TE_QK_MARKER
+    environment(te=False, cuda=False)
+    attention = select_layer_spec(QWEN3)[0].submodules.self_attention.submodules
+    assert attention.q_layernorm is WrappedTorchNorm and attention.k_layernorm is WrappedTorchNorm
+    attention = select_layer_spec(SPEC)[0].submodules.self_attention.submodules
+    assert attention.q_layernorm is IdentityOp and attention.k_layernorm is IdentityOp
 
 
 def test_prefer_te_false_forces_local(environment):

@@ -1,11 +1,12 @@
-"""ModelSpec <-> Hugging Face config.json: Llama-3 and Qwen2 configs, both transformers spellings, bad configs."""
+"""ModelSpec <-> Hugging Face config.json: Llama-3, Qwen2 and Qwen3 configs, both transformers spellings, bad configs."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from pipeline.models.spec import ModelSpec
 
@@ -40,6 +41,11 @@ LLAMA31_8B = {
     "torch_dtype": "bfloat16",
     "vocab_size": 128256,
 }
+
+# The published Qwen3 configs (tests/fixtures/model_configs).
+_FIXTURES = Path(__file__).parents[1] / "fixtures" / "model_configs"
+QWEN3_4B = json.loads((_FIXTURES / "Qwen3-4B.json").read_text())
+QWEN3_8B = json.loads((_FIXTURES / "Qwen3-8B.json").read_text())
 
 # Qwen2.5-1.5B's config.json.
 QWEN25_15B = {
@@ -104,6 +110,18 @@ def test_qwen25_config():
     assert spec.norm_eps == 1e-6
 
 
+@pytest.mark.parametrize(("config", "tied", "groups"), [(QWEN3_4B, True, 8), (QWEN3_8B, False, 8)], ids=["4B", "8B"])
+def test_qwen3_configs(config, tied, groups):
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.family == "qwen3" and spec.qk_layernorm
+    assert spec.qkv_bias is False  # Qwen3 dropped Qwen2's q/k/v biases
+    assert (spec.num_query_groups, spec.kv_channels, spec.tie_embeddings) == (groups, 128, tied)
+    # 4B's heads are wider than hidden / heads (2560 / 32 = 80); 8B's equal it (4096 / 32).
+    assert spec.head_dim == (128 if config is QWEN3_4B else None)
+    assert spec.rope_theta == 1e6 and spec.rope_scaling is None
+    assert ModelSpec.from_hf_config(dict(config, model_type="qwen2")).qk_layernorm is False
+
+
 def test_transformers5_rope_parameters_spelling():
     # transformers 5 writes rope_theta and the scaling keys under rope_parameters.
     hf = LlamaConfig(
@@ -128,13 +146,13 @@ def test_transformers5_rope_parameters_spelling():
     assert qwen.rope_theta == 10000.0 and qwen.rope_scaling is None and qwen.tie_embeddings
 
 
-@pytest.mark.parametrize("config", [LLAMA31_8B, QWEN25_15B], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("config", [LLAMA31_8B, QWEN25_15B, QWEN3_4B], ids=["llama", "qwen2", "qwen3"])
 def test_round_trip_through_hf_config_and_transformers(config):
     spec = ModelSpec.from_hf_config(config)
     exported = spec.to_hf_config()
     assert ModelSpec.from_hf_config(exported) == spec
     # transformers itself reads the export back to the same architecture.
-    hf_class = LlamaConfig if spec.family == "llama" else Qwen2Config
+    hf_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[spec.family]
     reloaded = hf_class.from_dict(exported).to_dict()
     assert ModelSpec.from_hf_config(reloaded) == spec
     assert reloaded["rope_parameters"]["rope_theta"] == spec.rope_theta
@@ -208,6 +226,19 @@ def test_unsupported_llama_configs_name_the_field(change, field):
 def test_unsupported_qwen2_configs_name_the_field(change, field):
     with pytest.raises(ValueError, match=field):
         ModelSpec.from_hf_config(dict(QWEN25_15B, **change))
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "model_type"),
+    ],
+)
+def test_unsupported_qwen3_configs_name_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        ModelSpec.from_hf_config(dict(QWEN3_4B, **change))
 
 
 def test_direct_construction_is_validated():
