@@ -460,6 +460,13 @@ class RLConfig:
                      "algorithm.ada_est", f"need min_budget ≤ group_size={self.group_size} ≤ max_budget")
 
 
+def _fixed_policy_rollout(rollout: RolloutConfig) -> None:
+    """Curation and evaluation score one fixed policy: the servers load it once, and
+    ``weights_dir`` is where a winnow checkpoint is exported for them; nothing is synced."""
+    _require(rollout.weights_dir is None or bool(rollout.weights_dir.strip()), "rollout.weights_dir",
+             "an empty path; give a folder every server can read, or null")
+
+
 @dataclass(kw_only=True, slots=True)
 class EvaluateConfig:
     """`winnow evaluate`: sampled pass@k of one policy on benchmarks, sharded and resumable."""
@@ -480,8 +487,17 @@ class EvaluateConfig:
     max_batch_rows: int = option(256, ge=1, help="sequences per forward pass of the local engine")
     save_responses: int = option(2, ge=0, help="responses kept per problem in the shards (truncated)")
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", help="dtype the policy runs in")
-    device: Literal["auto", "cpu", "cuda"] = option("auto", help="where the policy runs (auto: CUDA when available)")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", help="where the local engine runs the policy (auto: CUDA when available)"
+    )
     progress: bool = option(True, help="show a progress bar per benchmark")
+    rollout: RolloutConfig = section(
+        RolloutConfig, help="the engine that generates: local (the policy in this process) or SGLang servers, "
+        "which load the policy once (see docs/rollout.md, where curation and evaluation run)"
+    )
+
+    def __post_init__(self) -> None:
+        _fixed_policy_rollout(self.rollout)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -545,8 +561,13 @@ class CurateConfig:
     shard_size: int = option(512, ge=1, help="prompts per shard: the unit of generation, atomic writes and resume")
     template: Literal["raw", "plain", "chat"] = option("plain", help="prompt template (see pipeline.data.templates)")
     progress: bool = option(True, help="show progress bars")
+    rollout: RolloutConfig = section(
+        RolloutConfig, help="the engine that generates: local (the policy in this process) or SGLang servers, "
+        "which load the policy once; question log-probs are computed in this process on `device` either way"
+    )
 
     def __post_init__(self) -> None:
+        _fixed_policy_rollout(self.rollout)
         if not self.sources:
             raise ConfigError("sources: needs at least one source")
         if self.rules.hard_subset is not None and self.rules.hard_subset[0] > self.num_samples:

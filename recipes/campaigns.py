@@ -127,18 +127,23 @@ def h100_campaign(*, name: str, model_dir: str, output_dir: str | Path, rl: RLCo
 
     The rl jobs take ``nodes`` trainer nodes (8 ranks each) plus ``rollout.nodes`` nodes of
     SGLang servers; they get SIGUSR1 before their time limit, checkpoint and are requeued
-    (up to 50 times: a 500-step run spans many 4-hour jobs).
+    (up to 50 times: a 500-step run spans many 4-hour jobs). Curation and evaluation generate
+    on the same kind of server nodes: one head node runs the stage (curation's question
+    log-probs on its GPU) and the servers load the policy it scores; a requeued job resumes
+    from the finished shards.
     """
     chosen = dataclasses.replace(rl, policy=rl.policy or model_dir)
     baseline = dataclasses.replace(chosen, algorithm=AlgorithmConfig())
     trainer = Resources(nodes=nodes, ranks_per_node=8, gpus_per_node=8, rollout=rollout, time_limit=time_limit,
                         requeues=50)
     one_gpu = Resources(gpus_per_node=1, time_limit=time_limit, requeues=3)
+    on_servers = Resources(gpus_per_node=8, rollout=dataclasses.replace(rollout, model_path=chosen.policy),
+                           time_limit=time_limit, requeues=3)
     plan = wire_campaign(
         name=name, output_dir=output_dir, curate=curate_h100(), estimator=estimator_h100(),
         rl_variants={"default": chosen, "grpo": baseline}, evaluate=evaluate_h100(), export_dtype="bf16",
-        resources={"curate": one_gpu, "train-estimator": one_gpu, "rl-default": trainer, "rl-grpo": trainer,
-                   "evaluate-default": one_gpu, "evaluate-grpo": one_gpu,
+        resources={"curate": on_servers, "train-estimator": one_gpu, "rl-default": trainer, "rl-grpo": trainer,
+                   "evaluate-default": on_servers, "evaluate-grpo": on_servers,
                    "export-default": Resources(time_limit="01:00:00"), "export-grpo": Resources(time_limit="01:00:00")},
     )
     return _train_from_converted_policy(plan, hf_dir=chosen.policy)
@@ -146,19 +151,18 @@ def h100_campaign(*, name: str, model_dir: str, output_dir: str | Path, rl: RLCo
 
 def _train_from_converted_policy(plan: CampaignPlan, *, hf_dir: str) -> CampaignPlan:
     """Add the ``convert`` stage (``hf_dir`` → ``<output_dir>/base``); rl stages train from its
-    checkpoint and their SGLang servers load ``hf_dir``. Curation and evaluation keep the folder."""
+    checkpoint. Every stage's SGLang servers start from ``hf_dir``; curation and evaluation have
+    them load the policy they score."""
     converted = str(plan.output_dir / "base")
     stages = [Stage(name="convert", kind="convert", config=ConvertConfig(hf=hf_dir, out=converted),
                     resources=Resources(time_limit="02:00:00"))]
     for stage in plan.stages:
+        if stage.resources.rollout is not None:
+            stage = dataclasses.replace(stage, resources=dataclasses.replace(
+                stage.resources, rollout=dataclasses.replace(stage.resources.rollout, model_path=hf_dir)))
         if stage.kind == "rl":
-            rollout = stage.resources.rollout
-            if rollout is not None:
-                rollout = dataclasses.replace(rollout, model_path=hf_dir)
-            stage = dataclasses.replace(
-                stage, config=dataclasses.replace(stage.config, policy=converted),
-                depends_on=("convert", *stage.depends_on),
-                resources=dataclasses.replace(stage.resources, rollout=rollout))
+            stage = dataclasses.replace(stage, config=dataclasses.replace(stage.config, policy=converted),
+                                        depends_on=("convert", *stage.depends_on))
         stages.append(stage)
     return CampaignPlan(name=plan.name, output_dir=plan.output_dir, stages=stages)
 

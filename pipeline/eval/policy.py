@@ -16,6 +16,10 @@
   same map rollout weight sync and ``winnow convert`` use — into
   ``pipeline.rollout.weight_sync.build_hf_model(spec)``.
 
+``weights=False`` reads everything but the weights (``hf_model`` is ``None``): the
+tokenizer, the config or ``ModelSpec`` and the generation config, which is all a stage
+needs when SGLang servers generate (``pipeline.eval.sharded.policy_engine``).
+
 The tokenizer of a winnow checkpoint is, in order: the ``tokenizer`` argument; the
 ``tokenizer`` path recorded in the manifest (relative to the step directory, as
 bootstrap writes it); ``tokenizer/`` in the step directory, in the run directory, or
@@ -59,14 +63,16 @@ class LoadedPolicy:
     model's ``transformers`` config (HF folders). ``source`` is ``"hf:<folder>"`` or
     ``"megatron:<step directory>"``: the exact weights evaluated. ``tokenizer_dir``: the
     folder the tokenizer was loaded from (its ``generation_config.json``, when it has one,
-    names the model's stop tokens).
+    names the model's stop tokens). ``hf_model`` is ``None`` when loaded with ``weights=False``;
+    ``generation_config`` is then the folder's own (HF folders), which a loaded model carries itself.
     """
 
-    hf_model: torch.nn.Module
+    hf_model: torch.nn.Module | None
     tokenizer: Any
     spec_or_config: Any
     source: str
     tokenizer_dir: Path | None = None
+    generation_config: Any = None
 
     @property
     def kind(self) -> Literal["hf", "megatron"]:
@@ -104,8 +110,10 @@ def load_policy(
     dtype: str = "float32",
     device: str | torch.device = "cpu",
     context=None,
+    weights: bool = True,
 ) -> LoadedPolicy:
-    """Load the policy at ``path`` (see the module docstring) in ``dtype`` on ``device``.
+    """Load the policy at ``path`` (see the module docstring) in ``dtype`` on ``device``
+    (``weights=False``: everything but the weights).
 
     ``context``: an existing one-rank ``ParallelContext`` to build a winnow checkpoint's
     model under. Without one, a one-rank gloo context is brought up for the load and
@@ -118,17 +126,27 @@ def load_policy(
     if not directory.is_dir():
         raise PolicyError(f"policy {directory} does not exist or is not a directory")
     if is_hf_folder(directory):
-        policy = _load_hf_folder(directory, tokenizer=tokenizer, dtype=DTYPES[dtype])
+        policy = _load_hf_folder(directory, tokenizer=tokenizer, dtype=DTYPES[dtype], weights=weights)
     else:
-        policy = _load_winnow_checkpoint(directory, tokenizer=tokenizer, dtype=DTYPES[dtype], context=context)
-    policy.hf_model.to(device)
+        policy = _load_winnow_checkpoint(directory, tokenizer=tokenizer, dtype=DTYPES[dtype], context=context,
+                                         weights=weights)
+    if policy.hf_model is not None:
+        policy.hf_model.to(device)
     return policy
 
 
-def _load_hf_folder(folder: Path, *, tokenizer: str | Path | None, dtype: torch.dtype) -> LoadedPolicy:
-    from transformers import AutoModelForCausalLM
+def _load_hf_folder(folder: Path, *, tokenizer: str | Path | None, dtype: torch.dtype, weights: bool) -> LoadedPolicy:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     tokenizer_dir = _tokenizer_dir(tokenizer, candidates=[folder])
+    if not weights:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        try:
+            generation_config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+        except OSError:  # no generation_config.json: transformers derives one from the config, as a load does
+            generation_config = GenerationConfig.from_model_config(config)
+        return LoadedPolicy(None, _load_tokenizer(tokenizer_dir), config, f"hf:{folder.resolve()}", tokenizer_dir,
+                            generation_config)
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), local_files_only=True, trust_remote_code=False, dtype=dtype
     ).eval()
@@ -144,7 +162,7 @@ def _checkpoint_run_dir(directory: Path) -> Path:
 
 
 def _load_winnow_checkpoint(
-    directory: Path, *, tokenizer: str | Path | None, dtype: torch.dtype, context
+    directory: Path, *, tokenizer: str | Path | None, dtype: torch.dtype, context, weights: bool
 ) -> LoadedPolicy:
     try:
         step_dir = resolve_checkpoint(_checkpoint_run_dir(directory))
@@ -158,7 +176,7 @@ def _load_winnow_checkpoint(
     except UserError as error:
         raise PolicyError(str(error)) from error
     tokenizer_dir = _tokenizer_dir(tokenizer, candidates=tokenizer_candidates(step_dir))
-    model = _megatron_weights_as_hf(step_dir, spec=spec, context=context).to(dtype)
+    model = _megatron_weights_as_hf(step_dir, spec=spec, context=context).to(dtype) if weights else None
     return LoadedPolicy(model, _load_tokenizer(tokenizer_dir), spec, f"megatron:{step_dir.resolve()}", tokenizer_dir)
 
 

@@ -1,20 +1,33 @@
 """The sharded, resumable sample-and-grade engine behind `winnow curate` and `winnow evaluate`.
 
-Both stages sample n responses per prompt from one policy with the local engine, grade them
-in the bounded pool and keep the counts, shard by shard:
+Both stages sample n responses per prompt from one fixed policy, grade them in the bounded
+pool and keep the counts, shard by shard, through the same ``RolloutEngine`` RL uses:
 
+* ``policy_engine`` builds the engine a ``rollout`` config block names. ``local``: the
+  policy's HF model in this process (``LocalEngine``). ``sglang``: the running servers
+  (``SGLangEngine``), which first load the policy being scored with
+  ``update_weights_from_disk`` as weight version ``SERVED_WEIGHT_VERSION``: a Hugging Face
+  folder as it is, a winnow checkpoint after one export to HF under ``rollout.weights_dir``
+  (``served_weights``; a later run of the same checkpoint reuses the export). Loading
+  explicitly, rather than trusting what a server was started with, means a server started
+  on the base model scores any checkpoint of the same architecture, and a restarted server
+  cannot silently score other weights;
 * ``plan_shards`` cuts the prompts, in order, into shards of ``shard_size``. Each shard samples
-  in one engine call under its own seed, which the stage derives from its seed and the
-  shard's position only, so a shard's samples do not depend on which shards ran before it
-  or in which process;
+  in one engine call under its own seed (``curation_shard_seed``, ``evaluation_shard_seed``),
+  which depends on the stage's seed and the shard's position only, so a shard's samples do not
+  depend on which shards ran before it or in which process. The SGLang engine seeds every sample
+  from ``(shard seed, prompt id, sample index)`` (``sglang_api.sample_seed``), so a sample is the
+  same whichever server produced it and however often a failed server's work was retried;
+  the local engine draws a shard's noise from one generator seeded with the shard seed;
 * ``run_shard`` reads a shard back when its file exists (its prompt ids must be the plan's),
   else samples, grades and writes it atomically in the stage's format. A restarted run skips
   the finished shards and ends with the bytes of an uninterrupted one;
 * ``sampling_fingerprint`` lists what determines a shard's samples; each stage records it
-  (curate: a hash in every shard, evaluate: its manifest) and refuses to mix in shards written
-  under another;
-* ``ShardSampler`` holds the policy's engine, built on first use (a finished run re-aggregates
-  without one), and samples one shard.
+  (curate: ``fingerprint_digest`` in every shard, checked by ``check_shard_fingerprints``;
+  evaluate: its manifest, compared by ``fingerprint_changes``) and refuses to mix in shards
+  written under another;
+* ``ShardSampler`` holds the engine, built on first use (a finished run re-aggregates without
+  one, and never contacts a server), and samples one shard.
 
 The two rules both stages follow:
 
@@ -27,27 +40,33 @@ The two rules both stages follow:
   next to a winnow checkpoint's tokenizer (conversion copies it there). A winnow checkpoint's
   HF model is built from its ``ModelSpec`` and carries only ``transformers``' default ids
   (Llama's 2, whatever the tokenizer says), so its own generation config is not consulted.
-  The ids reach the engine both as its EOS and in every ``SamplingParams.stop_token_ids``.
+  The ids reach the engine in every ``SamplingParams.stop_token_ids`` (and the local engine's EOS).
 
-Samples are reproducible on one device type (CPU and GPU kernels differ in the last bits).
+Which engine ran is not part of the fingerprint, as the device is not: it changes which random
+draws a shard gets, not what it measures, so an evaluation may resume on the servers. Samples
+are reproducible on one engine and device type (CPU and GPU kernels differ in the last bits;
+SGLang's own sampling is bit-reproducible with ``--enable-deterministic-inference``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from pipeline.config import RolloutConfig
 from pipeline.configlib import ConfigError
 from pipeline.data.records import Prompt
+from pipeline.data.templates import prompt_token_ids
 from pipeline.errors import UserError
 from pipeline.eval.runner import ProblemResult, sample_and_grade
-from pipeline.data.templates import prompt_token_ids
-from pipeline.rollout.types import SamplingParams
+from pipeline.rollout.types import RolloutEngine, SamplingParams
 
 Rows = TypeVar("Rows")
 
@@ -72,9 +91,11 @@ def stop_token_ids(policy) -> list[int]:
 
     generation_config = None
     if policy.kind == "hf":
-        generation_config = getattr(policy.hf_model, "generation_config", None)
+        model_config = policy.spec_or_config if policy.hf_model is None else policy.hf_model.config
+        generation_config = (policy.generation_config if policy.hf_model is None
+                             else getattr(policy.hf_model, "generation_config", None))
         if getattr(generation_config, "eos_token_id", None) is None:
-            generation_config = policy.hf_model.config
+            generation_config = model_config
     folders = [policy.tokenizer_dir] if policy.tokenizer_dir is not None else []
     return list(model_stop_token_ids(policy.tokenizer, folders=folders, generation_config=generation_config))
 
@@ -99,9 +120,9 @@ class SamplingOptions:
     top_p: float
     template: str
 
-    def params(self, seed: int) -> SamplingParams:
+    def params(self, seed: int, *, stop_token_ids: Sequence[int] = ()) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=seed)
+                              seed=seed, stop_token_ids=tuple(stop_token_ids))
 
 
 def sampling_fingerprint(
@@ -126,6 +147,123 @@ def sampling_fingerprint(
         "max_response_chars": reward.max_response_chars,
         "max_answer_chars": reward.max_answer_chars,
     }
+
+
+def fingerprint_digest(fingerprint: dict[str, Any], prompts: Iterable[Prompt]) -> str:
+    """A short hash of a fingerprint and the exact prompts it samples (id, problem, answer, in order)."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(fingerprint, sort_keys=True).encode())
+    for prompt in prompts:
+        digest.update(json.dumps([prompt.id, prompt.problem, prompt.answer]).encode() + b"\n")
+    return digest.hexdigest()[:24]
+
+
+def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """``key: old → new`` for every key whose value differs ("" when none does)."""
+    changed = sorted(key for key in set(new) | set(old) if old.get(key) != new.get(key))
+    return ", ".join(f"{key}: {old.get(key)!r} → {new.get(key)!r}" for key in changed)
+
+
+def check_shard_fingerprints(
+    paths: Iterable[Path], *, fingerprint_of: Callable[[Path], Any], expected: Any, error: type[UserError],
+    output_dir: Path, run_name: str,
+) -> None:
+    """Refuse shards another ``run_name`` (other policy, options or prompts) wrote into ``output_dir``."""
+    for path in paths:
+        found = fingerprint_of(path)
+        if found != expected:
+            raise error(
+                f"{path} was written by another {run_name} (fingerprint {found}, this run {expected}): the policy, "
+                "sampling or grading options, shard size or prompts differ. Use a new output_dir, or delete "
+                f"{output_dir} to start over"
+            )
+
+
+# ================================================================ shard seeds
+# Two hashes, one per stage: the shards of every existing curation and evaluation were sampled
+# with their own, and a resume must draw the same seeds.
+
+
+def curation_shard_seed(seed: int, shard_index: int) -> int:
+    """The sampling seed of curation shard ``shard_index``: a hash of ``(seed, shard_index)`` in [0, 2^63)."""
+    digest = hashlib.sha256(f"winnow.curate|{seed}|{shard_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def evaluation_shard_seed(seed: int, benchmark: str, shard_index: int) -> int:
+    """The sampling seed of shard ``shard_index`` of ``benchmark``: a hash in [0, 2^60)."""
+    from pipeline.eval.report import derive_seed
+
+    return derive_seed("shard", seed, benchmark, shard_index)
+
+
+# ================================================================ engines
+
+# The label of the scored weights on the servers: above the version 0 a server starts with,
+# so every completion says it came from the policy this stage loaded.
+SERVED_WEIGHT_VERSION = 1
+_EXPORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def served_weights(policy, *, weights_dir: str | None, dtype: str) -> Path:
+    """The HF folder the SGLang servers load for ``policy``: a Hugging Face folder itself; a winnow
+    checkpoint exported once (``convert.megatron_to_hf``, logit gate on) to
+    ``<weights_dir>/policy-<hash of the step directory>-<dtype>``, reused when a complete export is
+    there (the export publishes by renaming a staged folder, so a present one is complete).
+
+    Size at 7B: one export of 15 GB in bf16 on the shared filesystem, written by this process.
+    """
+    from pipeline.checkpoint.artifact import is_hf_folder
+
+    if policy.kind == "hf":
+        return Path(policy.source.removeprefix("hf:"))
+    if not weights_dir:
+        raise ConfigError("rollout.weights_dir: SGLang servers load a winnow checkpoint from an HF export; "
+                          "give a folder every server can read")
+    step_dir = Path(policy.source.removeprefix("megatron:"))
+    name = hashlib.sha256(str(step_dir).encode()).hexdigest()[:16]
+    out = Path(weights_dir) / f"policy-{name}-{_EXPORT_DTYPES[dtype]}"
+    if not is_hf_folder(out):
+        from pipeline.checkpoint.convert import megatron_to_hf
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        megatron_to_hf(checkpoint=step_dir, out=out, tokenizer=policy.tokenizer_dir, dtype=_EXPORT_DTYPES[dtype])
+    return out
+
+
+def policy_engine(
+    rollout: RolloutConfig, policy, *, dtype: str, max_batch_rows: int = 256, show_progress: bool = True
+) -> RolloutEngine:
+    """The engine ``rollout`` names, generating from ``policy`` (see the module docstring).
+
+    ``local`` needs the policy's weights in this process; ``sglang`` needs only its tokenizer
+    and config (``load_policy(weights=False)``) and leaves the servers running on ``close``.
+    """
+    if rollout.engine == "sglang":
+        from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
+
+        folder = served_weights(policy, weights_dir=rollout.weights_dir, dtype=dtype)
+        engine = SGLangEngine.attach(rollout.servers, config=SGLangClientConfig(
+            request_timeout_s=rollout.request_timeout_s, batch_timeout_s=rollout.batch_timeout_s,
+            max_attempts=rollout.max_attempts, show_progress=show_progress))
+        try:
+            engine.update_weights_from_disk(str(folder), version=SERVED_WEIGHT_VERSION)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+    return _local_engine(policy, max_batch_rows=max_batch_rows, show_progress=show_progress)
+
+
+def _local_engine(policy, *, max_batch_rows: int, show_progress: bool) -> RolloutEngine:
+    from pipeline.models.tokenizer import pad_token_id
+    from pipeline.rollout.local import LocalEngine
+
+    if policy.hf_model is None:
+        raise ConfigError("rollout.engine: local generates in this process and needs the policy's weights")
+    return LocalEngine(policy.hf_model, eos_token_ids=stop_token_ids(policy),
+                       pad_token_id=pad_token_id(policy.tokenizer), max_batch_rows=max_batch_rows,
+                       show_progress=show_progress)
 
 
 # ================================================================ shards
@@ -153,44 +291,46 @@ def plan_shards(
 
 
 class ShardSampler:
-    """Samples and grades one shard at a time with a ``LoadedPolicy`` on the local engine.
+    """Samples and grades one shard at a time from a ``LoadedPolicy``.
 
     ``grading_pool``: returns the running ``GradingPool`` (a stage may start it on first use).
+    ``build_engine``: returns the engine to generate with, called once, on the first shard
+    that needs sampling (default: the local engine over ``policy.hf_model``). ``close`` closes
+    an engine it built.
     """
 
     def __init__(
-        self, policy, *, options: SamplingOptions, grading_pool: Callable[[], Any], max_batch_rows: int = 256,
+        self, policy, *, options: SamplingOptions, grading_pool: Callable[[], Any],
+        build_engine: Callable[[], RolloutEngine] | None = None, max_batch_rows: int = 256,
         show_progress: bool = True,
     ) -> None:
         self.policy = policy
         self.options = options
+        self.stop_token_ids = tuple(stop_token_ids(policy))
         self._grading_pool = grading_pool
-        self._max_batch_rows = max_batch_rows
-        self._show_progress = show_progress
-        self._engine = None
+        self._build_engine = build_engine or (
+            lambda: _local_engine(policy, max_batch_rows=max_batch_rows, show_progress=show_progress))
+        self._engine: RolloutEngine | None = None
 
     @property
-    def engine(self):
+    def engine(self) -> RolloutEngine:
         if self._engine is None:
-            from pipeline.rollout.local import LocalEngine
-
-            from pipeline.models.tokenizer import pad_token_id
-
-            self._engine = LocalEngine(
-                self.policy.hf_model, eos_token_ids=stop_token_ids(self.policy),
-                pad_token_id=pad_token_id(self.policy.tokenizer), max_batch_rows=self._max_batch_rows,
-                show_progress=self._show_progress,
-            )
+            self._engine = self._build_engine()
         return self._engine
 
     def sample(self, shard: Shard) -> list[ProblemResult]:
         """``num_samples`` graded responses per prompt of ``shard``, sampled under ``shard.seed``."""
-        params = replace(self.options.params(shard.seed), stop_token_ids=tuple(self.engine.eos_token_ids))
         return sample_and_grade(
             engine=self.engine, tokenizer=self.policy.tokenizer, prompts=shard.prompts,
-            num_samples=self.options.num_samples, params=params, pool=self._grading_pool(),
-            template=self.options.template,
+            num_samples=self.options.num_samples, params=self.options.params(shard.seed,
+                                                                             stop_token_ids=self.stop_token_ids),
+            pool=self._grading_pool(), template=self.options.template,
         )
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,7 +69,12 @@ class ConvertConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RolloutServers:
-    """SGLang servers on nodes of their own, next to the trainer nodes of the same job."""
+    """SGLang servers on nodes of their own, next to the trainer nodes of the same job.
+
+    An rl stage syncs its weights to them every step; a curate or evaluate stage has them
+    load the policy it scores once (``pipeline.eval.sharded.policy_engine``), so they may
+    start from any Hugging Face folder of the same architecture (``model_path``).
+    """
 
     nodes: int = option(ge=1, help="nodes running SGLang servers (after the trainer nodes of the allocation)")
     servers_per_node: int = option(1, ge=1, help="servers per rollout node (each uses gpus_per_node / this GPUs)")
@@ -77,8 +82,9 @@ class RolloutServers:
     port: int = option(30000, ge=1024, le=65000, help="port of a node's first server; the next ones count up")
     extra_args: list[str] = option(default_factory=list, help="more `sglang.launch_server` arguments")
     model_path: str | None = option(
-        None, help="the Hugging Face folder the servers load at start (null: the rl stage's policy, which must "
-                   "then be one); the trainer's policy is the same weights converted"
+        None, help="the Hugging Face folder the servers load at start (null: the stage's policy, which must "
+                   "then be one); an rl trainer's policy is the same weights converted, and an evaluate stage, "
+                   "whose policy is usually a checkpoint, needs one"
     )
     startup_timeout_s: float = option(1800.0, gt=0, help="how long the trainer waits for every server's /health")
 
@@ -90,7 +96,9 @@ class Resources:
     nodes: int = option(1, ge=1, help="trainer nodes")
     ranks_per_node: int = option(1, ge=1, help="processes per trainer node (one per GPU on GPU nodes)")
     gpus_per_node: int = option(0, ge=0, help="GPUs requested per node (0: a CPU stage)")
-    rollout: RolloutServers | None = option(None, help="SGLang servers for an rl stage (null: the local engine)")
+    rollout: RolloutServers | None = option(
+        None, help="SGLang servers for an rl, curate or evaluate stage (null: the local engine)"
+    )
     time_limit: str | None = option(None, help="SLURM time limit of the stage's job (null: the profile's)")
     requeues: int = option(0, ge=0, help="times a job that exits with a failure or a checkpointed stop is requeued")
 
@@ -107,6 +115,8 @@ class Resources:
 CAMPAIGN_STAGE_CONFIGS: dict[str, type] = {**STAGE_CONFIGS, "export": ExportConfig, "convert": ConvertConfig}
 # Kinds with more than one rank.
 MULTI_RANK_KINDS = ("bootstrap", "rl")
+# Kinds that generate through a `rollout` config block, so can use SGLang servers.
+ROLLOUT_KINDS = ("rl", "curate", "evaluate")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -126,8 +136,13 @@ class Stage:
         if self.resources.num_ranks > 1 and self.kind not in MULTI_RANK_KINDS:
             raise ConfigError(f"stages.{self.name}.resources: a {self.kind} stage runs on one rank "
                               f"(got {self.resources.num_ranks}); only {', '.join(MULTI_RANK_KINDS)} run on more")
-        if self.resources.rollout is not None and self.kind != "rl":
-            raise ConfigError(f"stages.{self.name}.resources.rollout: only rl stages use rollout servers")
+        if self.resources.rollout is not None and self.kind not in ROLLOUT_KINDS:
+            raise ConfigError(f"stages.{self.name}.resources.rollout: only {', '.join(ROLLOUT_KINDS)} stages use "
+                              "rollout servers")
+        if self.resources.rollout is not None and self.kind == "evaluate" and not self.resources.rollout.model_path:
+            raise ConfigError(f"stages.{self.name}.resources.rollout.model_path: the servers of an evaluate stage "
+                              "start from a Hugging Face folder of the policy's architecture (they then load the "
+                              "policy itself)")
         if self.resources.rollout is not None and not (self.resources.rollout.model_path or self.config.policy):
             raise ConfigError(f"stages.{self.name}.config.policy: SGLang servers need a Hugging Face policy "
                               "folder to serve (the bootstrap policy is a winnow checkpoint)")

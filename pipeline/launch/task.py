@@ -11,7 +11,8 @@ writes, which calls one of three roles:
   requeued and resumes from ``latest``.
 * ``worker``: one torchrun rank; runs the stage with torchrun's rendezvous.
 * ``serve``: one per rollout node; runs its SGLang servers until the first trainer
-  node marks the attempt finished.
+  node marks the attempt finished. Servers serve rl, curate and evaluate stages alike;
+  the stage's ``rollout`` block is pointed at them (``with_servers``).
 
 The plan (``campaign.json``) and status file live in the campaign directory on a
 filesystem every node shares.
@@ -136,12 +137,14 @@ def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, p
 
 
 def with_servers(stage: Stage, servers: Sequence[str]) -> Stage:
-    """The rl stage generating through ``servers`` (SGLang) instead of the local engine."""
+    """The stage (rl, curate or evaluate) generating through ``servers`` (SGLang) instead of the local engine."""
     if not servers:
         return stage
     cfg = stage.config
-    # Weight syncs go through a folder the servers read: the run directory is on the shared filesystem.
-    weights_dir = cfg.rollout.weights_dir or str(Path(cfg.logging.output_dir) / "sglang_weights")
+    # rl syncs its weights, curate and evaluate export a winnow checkpoint once, through a folder the
+    # servers read: the stage's output directory is on the shared filesystem.
+    output_dir = cfg.logging.output_dir if stage.kind == "rl" else cfg.output_dir
+    weights_dir = cfg.rollout.weights_dir or str(Path(output_dir) / "sglang_weights")
     rollout = dataclasses.replace(cfg.rollout, engine="sglang", servers=list(servers), weights_dir=weights_dir)
     return dataclasses.replace(stage, config=dataclasses.replace(cfg, rollout=rollout))
 

@@ -10,9 +10,10 @@ choices the paper leaves open):
    normalized problem texts are deduplicated;
 3. load the policy (``pipeline.eval.policy.load_policy``: a Hugging Face folder or a winnow
    checkpoint) and drop prompts that do not fit its context with ``max_new_tokens``;
-4. sample k = ``num_samples`` responses per remaining prompt with the local engine and
-   grade them in the bounded pool, shard by shard (``pipeline.eval.sharded``, the engine
-   `winnow evaluate` runs too). Each shard is written atomically
+4. sample k = ``num_samples`` responses per remaining prompt with the engine ``rollout``
+   names (the local engine, or SGLang servers that load the policy once) and grade them in
+   the bounded pool, shard by shard (``pipeline.eval.sharded``, the engine `winnow evaluate`
+   runs too). Each shard is written atomically
    (``shards/shard_00003.parquet``) and samples with a seed derived from
    ``(seed, shard index)``, so a restarted run skips the completed shards and ends with
    exactly the files of an uninterrupted one;
@@ -49,7 +50,6 @@ difficulty estimator's first training set.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections import Counter
@@ -68,12 +68,16 @@ from pipeline.eval.sharded import (
     SamplingOptions,
     Shard,
     ShardSampler,
+    check_shard_fingerprints,
+    fingerprint_digest,
     fits_context,
     plan_shards,
+    policy_engine,
     resolve_device,
     run_shard,
     sampling_fingerprint,
 )
+from pipeline.eval.sharded import curation_shard_seed as shard_seed
 from pipeline.io import atomic_write, atomic_write_text, package_versions
 
 # ================================================================ outputs
@@ -129,11 +133,13 @@ class CurationResult:
 # ================================================================ the stage
 
 
-def run_curate(cfg: CurateConfig, *, context=None, out: Callable[[str], Any] = print) -> CurationResult:
+def run_curate(cfg: CurateConfig, *, context=None, engine=None, out: Callable[[str], Any] = print) -> CurationResult:
     """Run the curation described by ``cfg`` (see the module docstring); resumes from completed shards.
 
     ``context``: an existing one-rank ``ParallelContext`` for loading a winnow checkpoint in
-    a process that already runs ``torch.distributed`` (see ``load_policy``).
+    a process that already runs ``torch.distributed`` (see ``load_policy``). ``engine``: a
+    ``RolloutEngine`` already serving the policy, to generate with instead of the one
+    ``cfg.rollout`` names (the caller closes it).
     """
     from pipeline.eval.policy import load_policy
     from pipeline.rewards import GradingPool
@@ -185,7 +191,8 @@ def run_curate(cfg: CurateConfig, *, context=None, out: Callable[[str], Any] = p
         out(f"[4/5] sample k={cfg.num_samples} for {len(to_sample):,} prompts in {len(shards)} shard(s) "
             f"(T={cfg.temperature}, top_p={cfg.top_p}, {cfg.max_new_tokens} new tokens)")
         phase = time.perf_counter()
-        tables, shard_status = _sample_shards(shards, policy=policy, pool=pool, cfg=cfg, fingerprint=fingerprint)
+        tables, shard_status = _sample_shards(shards, policy=policy, pool=pool, cfg=cfg, fingerprint=fingerprint,
+                                              engine=engine)
         timings["sampling_s"] = time.perf_counter() - phase
     num_reused = sum(status["status"] == "reused" for status in shard_status)
     out(f"      {len(shards) - num_reused} shard(s) generated, {num_reused} reused")
@@ -233,6 +240,7 @@ def run_curate(cfg: CurateConfig, *, context=None, out: Callable[[str], Any] = p
         "rule_metrics": {**screen_metrics, **select_metrics},
         "difficulty": histograms,
         "num_generated_tokens": int(num_tokens.sum()),
+        "engine": cfg.rollout.engine,
         "sources": source_reports,
         "shards": shard_status,
         "outputs": {"pass_rates": PASS_RATES_FILE, "kept": KEPT_FILE, "report": REPORT_FILE, "plot": PLOT_FILE,
@@ -319,20 +327,7 @@ def _fingerprint(cfg: CurateConfig, *, policy_source: str, prompts: Sequence) ->
     """What determines the shards' samples: the exact weights, sampling and grading options, the prompts."""
     options = sampling_fingerprint(_sampling_options(cfg), policy_source=policy_source, tokenizer=cfg.tokenizer,
                                    dtype=cfg.dtype, shard_size=cfg.shard_size, seed=cfg.seed, reward=cfg.reward)
-    digest = hashlib.sha256()
-    digest.update(json.dumps(options, sort_keys=True).encode())
-    for prompt in prompts:
-        digest.update(json.dumps([prompt.id, prompt.problem, prompt.answer]).encode() + b"\n")
-    return digest.hexdigest()[:24]
-
-
-def shard_seed(seed: int, shard_index: int) -> int:
-    """The sampling seed of one shard: a hash of ``(seed, shard_index)`` in [0, 2^63).
-
-    Not ``evaluate.shard_seed``'s hash: the shards of every existing curation were sampled with this one.
-    """
-    digest = hashlib.sha256(f"winnow.curate|{seed}|{shard_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
+    return fingerprint_digest(options, prompts)
 
 
 def _plan_shards(prompts: Sequence, *, cfg: CurateConfig, output_dir: Path) -> list[Shard]:
@@ -355,25 +350,30 @@ def _shard_metadata(path: Path) -> dict[str, Any]:
 
 def _check_existing_shards(shards_dir: Path, *, fingerprint: str) -> None:
     """Refuse to mix in shards another curation (other policy, options or prompts) wrote."""
-    for path in sorted(shards_dir.glob("shard_*.parquet")):
-        found = _shard_metadata(path).get("fingerprint")
-        if found != fingerprint:
-            raise CurationError(
-                f"{path} was written by another curation (fingerprint {found}, this run {fingerprint}): the policy, "
-                "sampling or grading options, shard size or prompts differ. Use a new output_dir, or delete "
-                f"{shards_dir} to start over"
-            )
+    check_shard_fingerprints(sorted(shards_dir.glob("shard_*.parquet")), expected=fingerprint, error=CurationError,
+                             fingerprint_of=lambda path: _shard_metadata(path).get("fingerprint"),
+                             output_dir=shards_dir, run_name="curation")
 
 
-def _sample_shards(shards: list[Shard], *, policy, pool, cfg: CurateConfig, fingerprint: str):
+def _sample_shards(shards: list[Shard], *, policy, pool, cfg: CurateConfig, fingerprint: str, engine=None):
     """Each shard's table (read back when complete, else generated and written), and its status."""
+    sampler = ShardSampler(
+        policy, options=_sampling_options(cfg), grading_pool=lambda: pool, show_progress=cfg.progress,
+        build_engine=(lambda: engine) if engine is not None else (
+            lambda: policy_engine(cfg.rollout, policy, dtype=cfg.dtype, show_progress=cfg.progress)),
+    )
+    try:
+        return _sample_with(sampler, shards, policy=policy, cfg=cfg, fingerprint=fingerprint)
+    finally:
+        if engine is None:
+            sampler.close()
+
+
+def _sample_with(sampler: ShardSampler, shards: list[Shard], *, policy, cfg: CurateConfig, fingerprint: str):
     import pyarrow.parquet as pq
     from tqdm.auto import tqdm
 
     from pipeline.data.templates import prompt_token_ids
-
-    sampler = ShardSampler(policy, options=_sampling_options(cfg), grading_pool=lambda: pool,
-                           show_progress=cfg.progress)
 
     def read(path: Path):
         table = pq.read_table(path)

@@ -7,7 +7,8 @@ such as ``arith?difficulty=3&size=500``; its ``eval.split``, unless the spec nam
    rendered prompt plus ``max_new_tokens`` exceeds the model's context (counted as
    ``num_too_long``, never generated);
 2. cut the rest, in load order, into shards of ``shard_size`` problems. Shard ``i``
-   samples ``n`` responses per problem in one engine call seeded by
+   samples ``n`` responses per problem in one call of the engine ``rollout`` names (the
+   local engine, or SGLang servers that load the policy once), seeded by
    ``derive_seed(eval.seed, benchmark, i)``, so a shard's samples do not depend on
    which shards ran before it or in which process; the responses are graded in the
    bounded pool (``pipeline.eval.sharded``, the engine `winnow curate` runs too) and the
@@ -28,7 +29,9 @@ Then everything is aggregated from the shard files (``pipeline.eval.report``):
 pass@k for each k of ``eval.ks`` and avg@n with percentile-bootstrap intervals over
 problems, per benchmark, per difficulty bucket (``level`` for MATH/MATH-500,
 ``difficulty`` for synthetic sources) and macro/weighted over benchmarks, written to
-``results.json``, ``results.md`` and ``pass_at_k.png``.
+``results.json``, ``results.md`` and ``pass_at_k.png``. ``results.json`` counts the
+generated tokens (``num_generated_tokens``) per benchmark and in total, for the
+campaign's token ledger.
 """
 
 from __future__ import annotations
@@ -52,12 +55,15 @@ from pipeline.eval.sharded import (
     SamplingOptions,
     Shard,
     ShardSampler,
+    fingerprint_changes,
     fits_context,
     plan_shards,
+    policy_engine,
     resolve_device,
     run_shard,
     sampling_fingerprint,
 )
+from pipeline.eval.sharded import evaluation_shard_seed as shard_seed
 from pipeline.io import atomic_write_text, package_versions
 
 MANIFEST_FILE = "manifest.json"
@@ -95,14 +101,6 @@ def benchmark_directory(spec: str) -> str:
     if not name:
         raise ConfigError(f"eval.benchmarks: {spec!r} gives an empty folder name")
     return name
-
-
-def shard_seed(seed: int, benchmark: str, shard_index: int) -> int:
-    """The sampling seed of one shard. Not ``curate.shard_seed``'s hash: the shards of every existing
-    evaluation were sampled with this one."""
-    from pipeline.eval.report import derive_seed
-
-    return derive_seed("shard", seed, benchmark, shard_index)
 
 
 def _split_for(spec: str, split: str) -> str | None:
@@ -186,11 +184,8 @@ class Manifest:
         previous = self._read_previous(directory)
         old = (previous or {}).get("fingerprint", {})
         if previous is not None and old != fingerprint:
-            changed = sorted(key for key in set(fingerprint) | set(old) if old.get(key) != fingerprint.get(key))
-            details = ", ".join(f"{key}: {old.get(key)!r} → {fingerprint.get(key)!r}" for key in changed)
-            raise EvaluateError(
-                f"{directory} holds results of a different evaluation ({details}); use another output_dir or delete it"
-            )
+            raise EvaluateError(f"{directory} holds results of a different evaluation "
+                                f"({fingerprint_changes(old, fingerprint)}); use another output_dir or delete it")
         self._previous_shards: dict[str, list[dict[str, Any]]] = {
             name: entry.get("shards", []) for name, entry in (previous or {}).get("benchmarks", {}).items()
         }
@@ -292,6 +287,7 @@ def build_results(
             "metrics": {},
             "buckets": None,
             "reasons": dict(Counter(reason for record in records for reason in record["reasons"]).most_common()),
+            "num_generated_tokens": sum(record["num_generated_tokens"] for record in records),
             "mean_generated_tokens": (
                 sum(record["num_generated_tokens"] for record in records) / max(1, sum(n))
             ),
@@ -327,6 +323,8 @@ def build_results(
             "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens,
             "seed": cfg.eval.seed, "template": cfg.template, "split": cfg.eval.split,
         },
+        "engine": cfg.rollout.engine,
+        "num_generated_tokens": sum(entry["num_generated_tokens"] for entry in benchmarks.values()),
         "benchmarks": benchmarks,
         "aggregate": average_over_benchmarks(parts, confidence=confidence),
     }
@@ -361,14 +359,16 @@ def _shard_records(plan: BenchmarkPlan, shard: Shard, *, cfg: EvaluateConfig, sa
     return outcome.rows
 
 
-def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, out=print) -> dict[str, Any]:
+def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, engine=None, out=print) -> dict[str, Any]:
     """Evaluate ``cfg.policy`` (see the module docstring); return the ``results.json`` dict.
 
     ``context``: a one-rank ``ParallelContext`` to load a winnow checkpoint under when
     this process already runs one (``pipeline.eval.policy.load_policy``). ``pool``: a
     running ``GradingPool`` to grade in (a caller that evaluates repeatedly keeps one);
     without it, one is started from ``cfg.reward`` when the first shard needs grading,
-    so re-aggregating a finished evaluation starts none.
+    so re-aggregating a finished evaluation starts none. ``engine``: a ``RolloutEngine``
+    already serving the policy, to generate with instead of the one ``cfg.rollout`` names
+    (the caller closes it). Only the local engine loads the policy's weights here.
     """
     from tqdm import tqdm
 
@@ -385,7 +385,8 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, out=print) -> 
     started = time.perf_counter()
     output_dir = Path(cfg.output_dir)
     policy = load_policy(
-        cfg.policy, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=resolve_device(cfg.device), context=context
+        cfg.policy, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=resolve_device(cfg.device), context=context,
+        weights=engine is None and cfg.rollout.engine == "local",
     )
     out(f"policy {policy.source} loaded in {time.perf_counter() - started:.1f} s")
     manifest = Manifest(output_dir, cfg=cfg, fingerprint=fingerprint(cfg, policy_source=policy.source))
@@ -402,8 +403,13 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, out=print) -> 
                 pools.append(stack.enter_context(GradingPool(**cfg.reward.pool_kwargs())))
             return pools[0]
 
-        sampler = ShardSampler(policy, options=_sampling_options(cfg), grading_pool=grading_pool,
-                               max_batch_rows=cfg.max_batch_rows, show_progress=cfg.progress)
+        sampler = ShardSampler(
+            policy, options=_sampling_options(cfg), grading_pool=grading_pool,
+            build_engine=(lambda: engine) if engine is not None else (lambda: policy_engine(
+                cfg.rollout, policy, dtype=cfg.dtype, max_batch_rows=cfg.max_batch_rows, show_progress=cfg.progress)),
+        )
+        if engine is None:
+            stack.callback(sampler.close)
 
         try:
             for spec in cfg.eval.benchmarks:

@@ -78,6 +78,17 @@ def test_bad_stages_are_refused(tmp_path):
         Stage(name="x", kind="evaluate", config=EvaluateConfig(), resources=Resources(ranks_per_node=2))
     with pytest.raises(ConfigError, match="SGLang servers need a Hugging Face policy"):
         Stage(name="x", kind="rl", config=RLConfig(), resources=Resources(rollout=RolloutServers(nodes=1)))
+    with pytest.raises(ConfigError, match="only rl, curate, evaluate stages use rollout servers"):
+        Stage(name="x", kind="export", config=ExportConfig(checkpoint="c", out="o"),
+              resources=Resources(rollout=RolloutServers(nodes=1, model_path="/m")))
+    with pytest.raises(ConfigError, match="rollout.model_path: the servers of an evaluate stage"):
+        Stage(name="x", kind="evaluate", config=EvaluateConfig(policy="/runs/rl/checkpoints"),
+              resources=Resources(rollout=RolloutServers(nodes=1)))
+    # curation and evaluation may generate on the servers
+    Stage(name="x", kind="curate", config=CurateConfig(policy="/models/m"),
+          resources=Resources(rollout=RolloutServers(nodes=1)))
+    Stage(name="x", kind="evaluate", config=EvaluateConfig(policy="/runs/rl/checkpoints"),
+          resources=Resources(rollout=RolloutServers(nodes=1, model_path="/models/m")))
 
 
 def test_plan_round_trips_through_campaign_json(tmp_path):

@@ -13,9 +13,9 @@ from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import CampaignStatus
 from pipeline.launch.nemo import (
     EXPERIMENTS_DIR,
+    TORCHRUN_SIGNALS,
     ExecutorOverrides,
     LaunchOptions,
-    TORCHRUN_SIGNALS,
     apply_executor_overrides,
     follow_slurm_jobs,
     launch_campaign,
@@ -94,13 +94,30 @@ def test_h100_rl_jobs(tmp_path, recipe, trainer_nodes, rollout_nodes, servers_pe
 def test_h100_single_gpu_stages_and_dependencies(tmp_path):
     plan = qwen25_math_7b(output_dir=tmp_path / "campaign")
     scripts = _dryrun(plan, _h100(tmp_path), tmp_path)
-    curate_flags = _flags(scripts["curate"][0])
-    assert (curate_flags["nodes"], curate_flags["gpus-per-node"]) == ("1", "1")
-    assert "signal" not in curate_flags  # only rl checkpoints on SIGUSR1; it would kill the others
+    estimator_flags = _flags(scripts["train-estimator"][0])
+    assert (estimator_flags["nodes"], estimator_flags["gpus-per-node"]) == ("1", "1")
     assert "gpus-per-node" not in _flags(scripts["export-default"][0])
-    assert "torch.distributed.run" not in scripts["evaluate-default"][1]
-    assert scripts["evaluate-default"][1].rstrip().endswith(
-        f"node --campaign-dir {tmp_path / 'campaign'} --stage evaluate-default")
+
+
+@pytest.mark.parametrize("stage_name", ["curate", "evaluate-default"])
+def test_h100_curation_and_evaluation_run_on_the_server_nodes(tmp_path, stage_name):
+    root = tmp_path / "campaign"
+    plan = qwen25_math_7b(output_dir=root, model_dir="/models/m")
+    sbatch, script = _dryrun(plan, _h100(tmp_path), tmp_path)[stage_name]
+    flags = _flags(sbatch)
+    # one head node runs the stage, the next one runs 8 SGLang servers, in one job
+    assert (flags["nodes"], flags["gpus-per-node"], flags["ntasks-per-node"]) == ("2", "8", "1")
+    assert "signal" not in flags  # only rl checkpoints on SIGUSR1; it would kill the others
+    assert "requeue" in flags  # a requeued job resumes from the finished shards
+    assert script.splitlines()[-5:] == [
+        "# nodes 1..1 of the job serve rollouts (SGLang)",
+        'if [ "${SLURM_NODEID:-0}" -ge 1 ]; then',
+        f"  exec python -m pipeline.cli.task serve --campaign-dir {root} --stage {stage_name}",
+        "fi",
+        f"exec python -m pipeline.cli.task node --campaign-dir {root} --stage {stage_name}",
+    ]
+    rollout = plan.stage(stage_name).resources.rollout
+    assert (rollout.nodes, rollout.servers_per_node, rollout.model_path) == (1, 8, "/models/m")
 
 
 def test_slurm_dependencies_are_afterok_on_pending_parents(tmp_path, monkeypatch):

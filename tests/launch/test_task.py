@@ -94,6 +94,10 @@ def test_with_servers_switches_the_engine(tmp_path):
     served = task.with_servers(stage, ["http://r0:30000"])
     assert (served.config.rollout.engine, served.config.rollout.servers) == ("sglang", ["http://r0:30000"])
     assert served.config.rollout.weights_dir == str(tmp_path / "rl" / "grpo" / "sglang_weights")
+    for name, output in (("curate", "curate"), ("evaluate-grpo", "eval/grpo")):
+        served = task.with_servers(cpu_campaign(output_dir=tmp_path, tiny=True).stage(name), ["http://r0:30000"])
+        assert (served.config.rollout.engine, served.config.rollout.servers) == ("sglang", ["http://r0:30000"])
+        assert served.config.rollout.weights_dir == str(tmp_path / output / "sglang_weights")
 
 
 def test_wait_for_servers_sees_health(tmp_path):
