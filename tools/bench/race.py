@@ -51,7 +51,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,15 +125,19 @@ def load_heldout(settings: RaceSettings) -> list:
 # --------------------------------------------------------------------------- runs
 
 
-def method_config(method: str, seed: int, settings: RaceSettings):
-    """The recipe's RLConfig for this race: its outputs under the run directory, the race's overrides on top."""
+def method_config(method: str, seed: int, settings: RaceSettings, *, recipe: Callable[..., Any] | None = None):
+    """The recipe's RLConfig for this race: its outputs under the run directory, the race's overrides on top.
+
+    ``recipe``: a function like those of ``recipes.cpu.RECIPES`` (``steps``, ``group_size``) to use
+    instead of the one named ``method`` (``tools.bench.default_race`` races its own combinations).
+    """
     from pipeline import configlib
     from pipeline.config import RLConfig
     from recipes.cpu import RECIPES
 
     run_dir = settings.run_dir(method, seed)
     group = {} if settings.group_size is None else {"group_size": settings.group_size}
-    base = RECIPES[method](steps=settings.steps, **group)
+    base = (recipe or RECIPES[method])(steps=settings.steps, **group)
     return configlib.load(RLConfig, base=base, overrides=[
         f"seed={seed}", f"logging.output_dir={run_dir}", f"checkpoint.directory={run_dir}/checkpoints",
         # A checkpoint at every evaluation point is what a resumed race restarts from.
@@ -183,15 +187,17 @@ def base_scores(settings: RaceSettings, *, context, heldout, pool) -> dict[str, 
     return scores
 
 
-def run_rl_method(method: str, seed: int, *, settings: RaceSettings, context, heldout, pool) -> dict[str, Any]:
-    """Train ``method`` in chunks between evaluation points; resume from the newest checkpoint."""
+def run_rl_method(method: str, seed: int, *, settings: RaceSettings, context, heldout, pool,
+                  recipe: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """Train ``method`` (or ``recipe``, see ``method_config``) in chunks between evaluation points;
+    resume from the newest checkpoint."""
+    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.eval.policy import load_policy
     from pipeline.metrics import read_metrics
     from pipeline.stages.bootstrap import run_bootstrap
     from pipeline.stages.rl import run_rl
-    from pipeline.checkpoint.manager import CheckpointManager
 
-    cfg = method_config(method, seed, settings)
+    cfg = method_config(method, seed, settings, recipe=recipe)
     run_dir = settings.run_dir(method, seed)
     curve_path = run_dir / "curve.jsonl"
     checkpoints = CheckpointManager(cfg.checkpoint.directory, keep_last=1)
@@ -239,16 +245,15 @@ def run_more_sft(seed: int, *, settings: RaceSettings, context, heldout, pool,
     """Continue the bootstrap's supervised training for GRPO's wall time, scored at GRPO's evaluation times."""
     import torch
 
+    from pipeline.checkpoint.artifact import load_weights
+    from pipeline.checkpoint.convert import copy_into_model
+    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.data import render_prompt
     from pipeline.models.spec import ModelSpec
     from pipeline.models.tokenizer import load_tokenizer
-    from pipeline.checkpoint.convert import copy_into_model
     from pipeline.rollout.weight_sync import actor_hf_state, build_hf_model
-    from pipeline.stages.bootstrap import (TEMPLATE, encode_example, load_training_prompts, make_batch,
-                                           run_bootstrap)
+    from pipeline.stages.bootstrap import TEMPLATE, encode_example, load_training_prompts, make_batch, run_bootstrap
     from pipeline.trainer.actor import Actor
-    from pipeline.checkpoint.artifact import load_weights
-    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
 
     assert eval_wall_s and all(b > a for a, b in zip(eval_wall_s, eval_wall_s[1:])), eval_wall_s

@@ -1,0 +1,267 @@
+"""Default race: which combination should the CPU campaign run, on total campaign tokens?
+
+    .venv/bin/python -m tools.bench.default_race                         # 4 methods, 3 seeds, 100 steps
+    .venv/bin/python -m tools.bench.default_race --methods grpo_raw grpo_curated --seeds 1 --steps 20
+
+Every method trains the demo's bootstrap policy on one **mixed-difficulty pool**: ``arith``
+difficulties 2-5, ``--pool-per-level`` train problems each, written once to
+``<out>/pool.jsonl`` so that every method and seed draws from the same prompts. Difficulty 2
+is nearly solved by the base policy and 5 nearly never: much of the pool gives groups whose
+rewards are all equal, the waste the methods claim to remove. Methods:
+
+- ``grpo_raw``: plain GRPO on the pool as it is (baseline a);
+- ``grpo_curated``: the campaign as it runs today: curate the pool first (k = 8 samples per
+  prompt, ``recipes.stages.curate_cpu``'s rules) and run GRPO on the kept prompts, its
+  statistics seeded by the curation (baseline b). The curation is run once and its tokens are
+  charged to every seed;
+- ``depo_d3s_cw_raw``: no offline curation; DEPO's online estimator (fresh, trained during the
+  run) drops prompts before rollout, D³S selects samples and tokens, CW-GRPO weights them;
+- ``depo_e3_d3s_cw_raw``: the same with E3's rank budgets (B·G rollouts per step, conserved,
+  moved from easy to hard prompts; bounds widen each pass over the pool).
+
+Cost = **total campaign tokens**: rollout tokens of the RL run up to an evaluation point, plus
+the curation's generated tokens for curated methods. Not counted (for any method): the DEPO
+estimator's encoded tokens during RL, which the RL metrics do not record. The target is the
+best baseline's final held-out pass@1 (mean over seeds); each method's cost to target is read
+at the first evaluation point reaching it (no interpolation), per seed, and compared with
+the best baseline's cost of the same seed. Held-out set: ``--heldout-per-level`` test problems
+of each difficulty 2-5, sampled as in ``tools.bench.race`` (same sampling seed everywhere, so
+curves are paired).
+
+A pass over the pool is ``4 · pool_per_level`` prompts; at 16 prompts a step, the default 100
+prompts per level give a pass every 25 steps, so E3's budget widening (after each pass,
+``algorithm.e3_budget.widen_step``) happens three times within the 100 steps. The zero-variance
+share is the RL run's ``ledger/zero_variance_groups`` over ``ledger/groups``.
+
+Resumable like ``tools.bench.race`` (it reuses its runner). Outputs: ``<out>/default_race.json``
+and a printed table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+LEVELS = (2, 3, 4, 5)
+BASELINES = ("grpo_raw", "grpo_curated")
+
+
+def _grpo(*, steps: int, group_size: int = 8):
+    from recipes.cpu import grpo_cpu
+
+    return grpo_cpu(steps=steps, group_size=group_size)
+
+
+def _depo_d3s_cw(*, steps: int, group_size: int = 8):
+    from recipes.cpu import d3s_cw_cpu
+
+    cfg = d3s_cw_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm.prompt_filter = "depo"  # a fresh estimator, warmed up online (no curation to train it on)
+    return cfg
+
+
+def _depo_e3_d3s_cw(*, steps: int, group_size: int = 8):
+    cfg = _depo_d3s_cw(steps=steps, group_size=group_size)
+    cfg.algorithm.budget = "e3"
+    cfg.algorithm.e3_budget = dataclasses.replace(cfg.algorithm.e3_budget, min_limit=group_size // 2,
+                                                  max_limit=2 * group_size)
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Method:
+    recipe: Callable[..., Any]
+    curated: bool
+
+
+METHODS = {
+    "grpo_raw": Method(recipe=_grpo, curated=False),
+    "grpo_curated": Method(recipe=_grpo, curated=True),
+    "depo_d3s_cw_raw": Method(recipe=_depo_d3s_cw, curated=False),
+    "depo_e3_d3s_cw_raw": Method(recipe=_depo_e3_d3s_cw, curated=False),
+}
+
+
+def write_pool(path: Path, *, per_level: int) -> list:
+    """The training pool, seed 0's train split of each level, as a prompts file ``load_prompts`` reads."""
+    from pipeline.data import load_prompts
+
+    prompts = []
+    for level in LEVELS:
+        loaded, _ = load_prompts(f"arith?difficulty={level}&size={per_level}", split="train", seed=0)
+        prompts.extend(loaded)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer, **p.metadata}) + "\n"
+                                for p in prompts))
+    return prompts
+
+
+def load_mixed_heldout(*, per_level: int) -> list:
+    from pipeline.data import load_prompts
+
+    prompts = []
+    for level in LEVELS:
+        loaded, _ = load_prompts(f"arith?difficulty={level}&size=1000", split="test", limit=per_level)
+        prompts.extend(loaded)
+    return prompts
+
+
+def run_curation(pool_path: Path, out: Path, *, context) -> dict[str, Any]:
+    """Curate the pool with the demo's curation settings; returns its manifest."""
+    from pipeline.config import RLConfig
+    from pipeline.stages.bootstrap import run_bootstrap
+    from pipeline.stages.curate import MANIFEST_FILE, run_curate
+    from recipes.stages import curate_cpu
+
+    manifest = out / MANIFEST_FILE
+    if not manifest.is_file():
+        policy = run_bootstrap(RLConfig().bootstrap, context=context).directory
+        cfg = dataclasses.replace(curate_cpu(), sources=[str(pool_path)], policy=str(policy), output_dir=str(out))
+        run_curate(cfg, context=context, out=lambda line: print(f"[curate] {line}", flush=True))
+    return json.loads(manifest.read_text())
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """The RL run's zero-variance share and E3 bounds at its end, from its metrics."""
+    from pipeline.metrics import read_metrics
+
+    rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if "ledger/groups" in row]
+    last = max(rows, key=lambda row: row["step"])
+    bounds = sorted({(row["e3/g_min"], row["e3/g_max"]) for row in rows if "e3/g_min" in row})
+    return {"zero_variance_share": last["ledger/zero_variance_groups"] / max(1, last["ledger/groups"]),
+            "prompts_filtered": last["ledger/prompts_filtered"], "e3_bounds": bounds}
+
+
+def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Target = the best baseline's mean final pass@1; each method's total tokens to reach it, per seed."""
+    from tools.bench.race import first_reaching, spread
+
+    finals = {m: statistics.fmean(r["final"]["pass@1"] for r in runs.values()) for m, runs in results.items()}
+    best = max((m for m in BASELINES if m in results), key=lambda m: finals[m])
+    target = finals[best]
+
+    def cost_to_target(run: dict[str, Any]) -> float | None:
+        point = first_reaching(run["curve"], target)
+        return None if point is None else point["tokens_generated"] + run["curation_tokens"]
+
+    best_cost = {seed: cost_to_target(run) for seed, run in results[best].items()}
+    methods = {}
+    for method, runs in results.items():
+        costs = {seed: cost_to_target(run) for seed, run in runs.items()}
+        ratios = [None if costs[s] is None or not best_cost.get(s) else costs[s] / best_cost[s] for s in runs]
+        methods[method] = {
+            "final_pass@1": spread([run["final"]["pass@1"] for run in runs.values()]),
+            "final_pass@8": spread([run["final"].get("pass@8") for run in runs.values()]),
+            "reached": sum(c is not None for c in costs.values()), "seeds": sorted(runs),
+            "tokens_to_target": {"per_seed": costs, "value": spread(list(costs.values())), "ratio": spread(ratios)},
+            "total_tokens_end": spread([run["final"]["tokens_generated"] + run["curation_tokens"]
+                                        for run in runs.values()]),
+            "curation_tokens": runs[min(runs)]["curation_tokens"],
+            "zero_variance_share": spread([run["summary"]["zero_variance_share"] for run in runs.values()]),
+            "prompts_filtered": spread([run["summary"]["prompts_filtered"] for run in runs.values()]),
+            "e3_bounds": runs[min(runs)]["summary"]["e3_bounds"],
+        }
+    return {"target_pass@1": target, "best_baseline": best, "methods": methods}
+
+
+def _range(entry: dict[str, Any], fmt: str) -> str:
+    if entry["n"] == 0:
+        return "—"
+    text = format(entry["mean"], fmt)
+    return text if entry["n"] == 1 else f"{text} [{format(entry['min'], fmt)}–{format(entry['max'], fmt)}]"
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    lines = [f"target: {summary['best_baseline']}'s final held-out pass@1, {summary['target_pass@1']:.4f} "
+             "(mean over seeds; [min–max] over seeds)",
+             "| method | final pass@1 | reached | total tokens to target | vs best baseline | curation tokens | "
+             "total tokens at the end | zero-variance groups | prompts filtered | E3 bounds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for method, row in summary["methods"].items():
+        bounds = " → ".join(f"[{int(lo)}, {int(hi)}]" for lo, hi in row["e3_bounds"]) or "—"
+        lines.append(f"| {method} | {_range(row['final_pass@1'], '.3f')} | {row['reached']}/{len(row['seeds'])} | "
+                     f"{_range(row['tokens_to_target']['value'], ',.0f')} | "
+                     f"{_range(row['tokens_to_target']['ratio'], '.2f')} | {row['curation_tokens']:,} | "
+                     f"{_range(row['total_tokens_end'], ',.0f')} | {_range(row['zero_variance_share'], '.0%')} | "
+                     f"{_range(row['prompts_filtered'], ',.0f')} | {bounds} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
+    parser.add_argument("--steps", type=int, default=100, help="RL steps per run")
+    parser.add_argument("--eval-every", type=int, default=25, help="steps between held-out evaluations")
+    parser.add_argument("--pool-per-level", type=int, default=100, help="train problems per difficulty 2-5")
+    parser.add_argument("--heldout-per-level", type=int, default=100, help="held-out problems per difficulty 2-5")
+    parser.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--out", default="runs/bench/default_race", help="output directory")
+    args = parser.parse_args(argv)
+    if not any(name in BASELINES for name in args.methods):
+        parser.error(f"--methods must include a baseline ({', '.join(BASELINES)}): the target is the best one's")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import torch
+
+    from pipeline.parallel.rendezvous import initialize_process_context
+    from pipeline.rewards import GradingPool
+    from tools.bench.race import RaceSettings, run_rl_method
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out).absolute()
+    pool_path = out / "pool.jsonl"
+    write_pool(pool_path, per_level=args.pool_per_level)
+    heldout = load_mixed_heldout(per_level=args.heldout_per_level)
+    context = initialize_process_context(seed=0)
+    curation: dict[str, Any] | None = None
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    with GradingPool(**_grpo(steps=1).reward.pool_kwargs()) as pool:
+        for name in args.methods:
+            method = METHODS[name]
+            overrides = [f"data.train={json.dumps([str(pool_path)])}"]
+            curation_tokens = 0
+            if method.curated:
+                curation = curation or run_curation(pool_path, out / "curate", context=context)
+                curation_tokens = int(curation["num_generated_tokens"])
+                overrides = [f"data.train={json.dumps([str(out / 'curate' / 'kept.jsonl')])}",
+                             f"curation_dir={out / 'curate'}"]
+            settings = RaceSettings(out=out, steps=args.steps, eval_every=args.eval_every,
+                                    eval_set=f"arith difficulties {LEVELS}, {args.heldout_per_level} each (test)",
+                                    eval_prompts=len(heldout), eval_samples=args.eval_samples,
+                                    overrides=tuple(overrides))
+            for seed in range(args.seeds):
+                path = settings.result_path(name, seed)
+                if path.is_file():
+                    result = json.loads(path.read_text())
+                else:
+                    print(f"[default_race] {name} seed {seed}: running", flush=True)
+                    result = run_rl_method(name, seed, settings=settings, context=context, heldout=heldout, pool=pool,
+                                           recipe=method.recipe)
+                    result["curation_tokens"] = curation_tokens
+                    result["summary"] = run_summary(settings.run_dir(name, seed))
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps(result, indent=1))
+                print(f"[default_race] {name} seed {seed}: final pass@1 {result['final']['pass@1']:.3f}, "
+                      f"rollout tokens {result['final']['tokens_generated']:,}, "
+                      f"zero-variance {result['summary']['zero_variance_share']:.0%}", flush=True)
+                results.setdefault(name, {})[seed] = result
+    summary = summarize(results)
+    (out / "default_race.json").write_text(json.dumps(
+        {"settings": vars(args), "summary": summary,
+         "runs": {m: {str(s): r for s, r in runs.items()} for m, runs in results.items()}}, indent=1))
+    print(format_table(summary))
+
+
+if __name__ == "__main__":
+    main()
