@@ -335,11 +335,23 @@ class RolloutConfig:
     weights_dir: str | None = option(
         None, help="sglang: a folder every server can read; each sync exports the policy there and the servers load it"
     )
+    sync: Literal["disk", "distributed"] = option(
+        "disk", help="how sglang servers get each new policy: disk (every pipeline stage writes its files into "
+        "weights_dir, the servers load the folder) or distributed (broadcast over an update group: NCCL on GPU, gloo "
+        "on CPU; trainer and servers must share a network); the local engine is always synced in process"
+    )
+    sync_bucket_mb: int = option(
+        512, ge=1, help="weight sync bucket: the most MiB of HF tensors assembled, written or broadcast at once"
+    )
+    server_tensor_parallel: int = option(
+        1, ge=1, help="sync=distributed: GPUs per SGLang server (its --tp-size); each takes one rank of the update group"
+    )
 
     def __post_init__(self) -> None:
         if self.engine == "sglang":
             _require(bool(self.servers), "servers", "engine=sglang needs at least one server URL")
-            _require(self.weights_dir is not None, "weights_dir", "engine=sglang needs a shared folder for weight syncs")
+            _require(self.sync != "disk" or self.weights_dir is not None, "weights_dir",
+                     "engine=sglang with sync=disk needs a shared folder for weight syncs")
         for url in self.servers:
             _require(url.startswith(("http://", "https://")), "servers", f"{url!r} is not an http(s) URL")
 

@@ -165,23 +165,33 @@ def load_eval_prompts(cfg: RLConfig) -> list[Prompt]:
 
 
 def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_dir: Path):
-    """The rollout engine the config names: the in-process HF engine or SGLang servers.
+    """Global rank 0's rollout engine, wrapped in its weight-sync transport (``pipeline.rollout.weight_sync``).
 
-    Stop tokens travel with each request (``SamplingParams.stop_token_ids``); the local
-    engine's own EOS is the tokenizer's as well."""
+    ``engine=local``: the in-process HF engine, synced in process. ``engine=sglang``: SGLang
+    servers, synced through ``weights_dir`` (``sync=disk``) or by broadcast over an update
+    group (``sync=distributed``: NCCL with CUDA, else gloo). Stop tokens travel with each
+    request (``SamplingParams.stop_token_ids``); the local engine's own EOS is the tokenizer's as well."""
+    from pipeline.rollout import weight_sync
+
+    bucket_bytes = cfg.sync_bucket_mb * weight_sync.MB
     if cfg.engine == "sglang":
         from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
-        from pipeline.rollout.weight_sync import DiskSyncedEngine
 
         engine = SGLangEngine(cfg.servers, config=SGLangClientConfig(
             request_timeout_s=cfg.request_timeout_s, batch_timeout_s=cfg.batch_timeout_s,
             max_attempts=cfg.max_attempts))
-        return DiskSyncedEngine(engine, weights_dir=cfg.weights_dir, spec=spec, tokenizer_dir=tokenizer_dir)
+        if cfg.sync == "distributed":
+            return weight_sync.DistributedSyncedEngine(
+                engine, bucket_bytes=bucket_bytes, backend="nccl" if torch.cuda.is_available() else "gloo",
+                master_address=weight_sync.update_group_address(cfg.servers),
+                server_ranks=cfg.server_tensor_parallel, timeout_s=engine.config.admin_timeout_s)
+        return weight_sync.DiskSyncedEngine(engine, weights_dir=cfg.weights_dir, spec=spec,
+                                            tokenizer_dir=tokenizer_dir, bucket_bytes=bucket_bytes)
     from pipeline.rollout.local import LocalEngine
-    from pipeline.rollout.weight_sync import build_hf_model
 
-    return LocalEngine(build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
-                       pad_token_id=pad_token_id(tokenizer), show_progress=False)
+    engine = LocalEngine(weight_sync.build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
+                         pad_token_id=pad_token_id(tokenizer), show_progress=False)
+    return weight_sync.LocalSyncedEngine(engine, bucket_bytes=bucket_bytes)
 
 
 def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -> Run:

@@ -52,6 +52,9 @@ session: ``/begin_weight_update`` on every live server first, ``/end_weight_upda
 every server that opened one afterwards, also when the update failed. A server that
 fails to open or close the session, or fails an update others passed, is dropped (its
 weights are unknown); if every server fails, the version stays and ``RolloutError`` is raised.
+A bucketed distributed update (``begin_weight_update``, one ``send_distributed_bucket`` per
+bucket while the trainer broadcasts it, ``end_weight_update``) keeps one session open over
+all buckets and flushes and relabels once, at the end.
 ``release_memory_occupation`` / ``resume_memory_occupation`` free and restore GPU
 memory when the trainer shares the GPUs (servers need ``enable_memory_saver``).
 
@@ -322,6 +325,7 @@ class SGLangEngine:
         self._weight_version = int(weight_version)
         self._memory_released = False
         self._next_server = 0
+        self._session: list[_Server] = []  # servers in an open bucketed weight update
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -695,6 +699,103 @@ class SGLangEngine:
             names, dtypes=dtypes, shapes=shapes, version=version, group_name=group_name
         )
         _run_sync(self._update_all(api.UPDATE_FROM_DISTRIBUTED_PATH, lambda i, s: body, version=version))
+
+    # ------------------------------------------------ bucketed distributed updates
+
+    def begin_weight_update(self, *, version: int) -> list[str]:
+        """Open one weight-update session on every live server for a bucketed update to ``version``.
+
+        A server that fails to open it is dropped; none opened: ``RolloutError``. Then
+        ``send_distributed_bucket`` per bucket and ``end_weight_update`` once. Returns the
+        URLs in the session.
+        """
+        self._check_version(version)
+        opened, failed = _run_sync(
+            self._admin_checked(api.BEGIN_WEIGHT_UPDATE_PATH, lambda i, s: api.begin_weight_update_body())
+        )
+        for server, why in failed:
+            self._drop(server, f"{api.BEGIN_WEIGHT_UPDATE_PATH} for version {version} failed: {why}")
+        if not opened:
+            raise RolloutError(f"{api.BEGIN_WEIGHT_UPDATE_PATH} for version {version} failed on every server "
+                               f"(version unchanged): {self.dead_servers}")
+        self._session = opened
+        return [server.url for server in opened]
+
+    def send_distributed_bucket(
+        self, names: Sequence[str], *, dtypes: Sequence[str], shapes: Sequence[Sequence[int]], version: int,
+        group_name: str,
+    ) -> None:
+        """Announce one bucket to every server of the open session; they then receive its broadcast.
+
+        Run it alongside the broadcast (the servers answer once they received every tensor).
+        Never retried: a repeated announcement would wait for a broadcast that never comes.
+        An unreachable server is dropped; any failure raises ``RolloutError`` naming the servers.
+        """
+        body = api.update_weights_from_distributed_body(
+            names, dtypes=dtypes, shapes=shapes, version=version, group_name=group_name, flush_cache=False
+        )
+        servers = [server for server in self._session if not server.dead]
+        if not servers:
+            raise RolloutError(f"no server left in the weight-update session for version {version}")
+
+        async def run() -> list[str]:
+            async with self._client() as client:
+                outcomes = await asyncio.gather(
+                    *(_request(client, "POST", s.url + api.UPDATE_FROM_DISTRIBUTED_PATH, body=body,
+                               timeout_s=self.config.admin_timeout_s) for s in servers),
+                    return_exceptions=True,
+                )
+            failures = []
+            for server, outcome in zip(servers, outcomes):
+                if isinstance(outcome, _ServerFault):
+                    self._drop(server, f"unreachable during the update to version {version}: {outcome}")
+                    failures.append(f"{server.url}: {outcome}")
+                elif isinstance(outcome, _Rejected):
+                    failures.append(f"{server.url}: {outcome}")
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                else:
+                    try:
+                        success, message = api.parse_update_response(_json(outcome))
+                    except (api.MalformedResponse, _ServerFault) as error:
+                        success, message = False, str(error)
+                    if not success:
+                        failures.append(f"{server.url}: {message}")
+            return failures
+
+        failures = _run_sync(run())
+        if failures:
+            raise RolloutError(f"{api.UPDATE_FROM_DISTRIBUTED_PATH} to version {version} failed: {'; '.join(failures)}")
+
+    def end_weight_update(self, *, version: int, completed: bool) -> None:
+        """Close the session; if ``completed``, flush the servers' caches and label their weights ``version``.
+
+        A server that fails to close it is dropped. An incomplete update leaves the version
+        unchanged: the servers' weights are a mix until the next complete one.
+        """
+        servers = [server for server in self._session if not server.dead]
+        self._session = []
+        if servers:
+            closed, failed = _run_sync(self._admin_checked(
+                api.END_WEIGHT_UPDATE_PATH, lambda i, s: api.end_weight_update_body(), servers=servers))
+        else:
+            closed, failed = [], []
+        for server, why in failed:
+            self._drop(server, f"{api.END_WEIGHT_UPDATE_PATH} for version {version} failed: {why}")
+        if not completed:
+            return
+        if not closed:
+            raise RolloutError(f"no SGLang server completed the update to version {version}: {self.dead_servers}")
+
+        async def flush() -> None:
+            for server, outcome in await self._admin_all(
+                api.FLUSH_CACHE_PATH, lambda i, s: None, servers=closed, retry_statuses=frozenset({400})
+            ):
+                if isinstance(outcome, Exception):
+                    self._drop(server, f"/flush_cache after the update to version {version} failed: {outcome}")
+
+        _run_sync(flush())
+        self._weight_version = version
 
     def _memory(self, path: str, tags: Sequence[str] | None) -> None:
         body = api.memory_occupation_body(tags)

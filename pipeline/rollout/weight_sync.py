@@ -1,30 +1,79 @@
-"""Weights from the Megatron actor to a rollout engine, through the one HF⇄Megatron map.
+"""Weights from the Megatron actor to a rollout engine: three transports on one streamed export.
 
-The local engine runs a Hugging Face model; every sync converts the actor's
-(possibly TP/PP-sharded) weights with ``pipeline.checkpoint.convert`` — the same
-code path as ``winnow convert megatron-to-hf`` — so each RL step also exercises the
-conversion. Shards are gathered to global rank 0 (which drives the engine); other
-data-parallel replicas hold copies and send nothing.
+Every transport reads the actor through ``pipeline.rollout.weight_export``: HF-named full
+tensors in buckets of at most ``rollout.sync_bucket_mb``, each pipeline stage assembling
+its own layers inside its TP group, through the one HF⇄Megatron map
+(``pipeline.checkpoint.hf_map``). No rank ever holds the whole model (unless TP = PP = 1,
+where the model is its shard) or more than about two buckets beyond its shard; see that
+module for the bound and the sizes at 7B.
 
-The names are those of the actor's layer spec (``actor.layer_spec_choice``): a
-Transformer Engine actor fuses its norms into the next linear layer
-(``…linear_qkv.layer_norm_weight``, ``…linear_fc1.layer_norm_weight``), a local one
-keeps them apart (``…input_layernorm.weight``). Tensors leave the GPU here: the map
-and every engine take CPU tensors.
+Global rank 0 holds the engine, wrapped in the transport that ``rollout.engine`` and
+``rollout.sync`` name (``pipeline.rl.setup.build_engine``); ``sync_actor_to_engine`` is the
+one call, made by every rank. Rank 0 first broadcasts the sync's ``SyncPlan`` (a few bytes),
+so the other ranks, which hold no engine, know their part.
+
+* ``LocalSyncedEngine`` (``engine=local``): the in-process Hugging Face engine. The buckets
+  reach rank 0 (later stages' through the point-to-point relay), move to the CPU one bucket
+  at a time and are copied into the engine's model.
+* ``DiskSyncedEngine`` (``sync=disk``): every stage's source rank writes its own buckets as
+  ``model-ppSSS-KKKKK.safetensors`` into one staging folder under ``weights_dir``; after all
+  stages wrote (their file lists gathered on rank 0, a few kB), rank 0 alone writes
+  ``model.safetensors.index.json``, ``config.json``, ``generation_config.json`` and the
+  tokenizer, publishes the folder as ``v<version>`` with one rename (``pipeline.io``) and asks
+  every server to load it (``update_weights_from_disk``). The previous export is removed once
+  the servers run the new one. For trainers and servers that share only a filesystem.
+* ``DistributedSyncedEngine`` (``sync=distributed``): SGLang's own sequence. Once, rank 0
+  forms an update group with every live server (``init_weights_update_group``: rank 0 is
+  group rank 0, server ``i`` takes ranks ``1 + i·server_tensor_parallel …``). Per sync: one
+  weight-update session; per bucket, ``update_weights_from_distributed`` announces the
+  names, dtypes and shapes while rank 0 broadcasts the tensors in that order over the
+  group (NCCL on GPU, gloo on CPU); at the end the servers flush their caches and take the
+  new version label. If the group breaks (a server died), the sync drains the remaining
+  buckets so every trainer rank finishes its part, closes the group and raises one
+  ``RolloutError``; the next sync forms a new group with the servers still alive.
+  Bytes per sync at 7B: 15.2 GB out of rank 0 to every server, once.
+
+``actor_hf_state`` gives the same stream as ``(name, tensor)`` pairs on rank 0, for tools
+that copy the weights somewhere themselves.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import socket
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
 
 import torch
 
-from pipeline.checkpoint.convert import megatron_to_hf_state
-from pipeline.checkpoint.hf_map import MegatronLayout
+from pipeline.checkpoint.artifact import tokenizer_files
+from pipeline.checkpoint.hf_io import INDEX_FILE, _generation_values, _write_configs
+from pipeline.checkpoint.hf_map import expected_hf_shapes
+from pipeline.errors import CheckpointError
+from pipeline.io import publish_directory
 from pipeline.models.spec import ModelSpec
-from pipeline.parallel.rendezvous import gather_to_rank0
+from pipeline.parallel.rendezvous import free_port
+from pipeline.parallel.weight_transfer import UpdateGroup, export_role, sync_broadcast, sync_gather
+from pipeline.rollout.types import RolloutError
+from pipeline.rollout.weight_export import Bucket, stage_buckets, stream_to_rank0
+
+__all__ = [
+    "DiskSyncedEngine",
+    "DistributedSyncedEngine",
+    "LocalSyncedEngine",
+    "SyncPlan",
+    "actor_hf_state",
+    "build_hf_model",
+    "sync_actor_to_engine",
+    "update_group_address",
+]
+
+MB = 1024**2
 
 
 def build_hf_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32):
@@ -39,67 +88,264 @@ def build_hf_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-def actor_hf_state(actor) -> Iterator[tuple[str, torch.Tensor]] | None:
-    """HF-named tensors of the actor's current weights on global rank 0; ``None`` elsewhere.
+@dataclass(frozen=True, slots=True)
+class SyncPlan:
+    """What every rank needs to know about one sync; global rank 0 decides and broadcasts it."""
 
-    Every rank must call it (it gathers over the world group when there is more than one).
-    """
-    context = actor.context
-    local = {k: v.detach().cpu() for k, v in actor.module.state_dict().items() if not k.endswith("_extra_state")}
-    layout = MegatronLayout.build(
-        actor.spec, layer_spec=actor.layer_spec_choice.name, tp_size=context.tensor_parallel,
-        pp_size=context.pipeline_parallel,
-    )
-    if context.world_size == 1:
-        return megatron_to_hf_state([[local]], spec=actor.spec, layout=layout)
-    payload = (context.pp_rank, context.tp_rank, local if context.dp_rank == 0 else None)
-    gathered = gather_to_rank0(payload, rank=context.rank, world_size=context.world_size)
-    if gathered is None:
-        return None
-    grid: list[list] = [[None] * context.tensor_parallel for _ in range(context.pipeline_parallel)]
-    for pp_rank, tp_rank, state in gathered:
-        if state is not None:
-            grid[pp_rank][tp_rank] = state
-    return megatron_to_hf_state(grid, spec=actor.spec, layout=layout)
+    transport: Literal["local", "disk", "distributed"]
+    bucket_bytes: int
+    staging: str | None = None  # disk: the folder every stage writes its files into
 
 
 def sync_actor_to_engine(actor, engine, *, version: int) -> None:
-    """Push the actor's weights into a local engine as weight ``version`` (collective)."""
-    pairs = actor_hf_state(actor)
-    if pairs is not None:
-        engine.update_weights(pairs, version=version)
+    """Push the actor's weights to the rollout engine as weight ``version``.
 
-
-class DiskSyncedEngine:
-    """An SGLang engine whose weights follow the actor through a shared folder.
-
-    Each sync writes the HF export to ``<weights_dir>/v<version>`` (atomically: the
-    writer stages and renames) and asks every server to load it; the previous export
-    is removed once the servers run the new one. Generation passes through. This is
-    the path that works when trainer and servers are on different nodes with only a
-    shared filesystem between them.
+    Collective: every rank calls it. ``engine`` is global rank 0's transport-wrapped engine
+    (``LocalSyncedEngine``, ``DiskSyncedEngine``, ``DistributedSyncedEngine``) and ``None``
+    on the other ranks.
     """
+    context = actor.context
+    plan = sync_broadcast(engine.plan(version) if context.rank == 0 else None, world_size=context.world_size)
+    if plan.transport == "disk":
+        written = _write_stage_files(actor, Path(plan.staging), bucket_bytes=plan.bucket_bytes)
+        listing = sync_gather(written, rank=context.rank, world_size=context.world_size)
+        if listing is not None:
+            engine.publish([entry for rank_files in listing for entry in rank_files], version=version)
+        return
+    buckets = stream_to_rank0(actor, bucket_bytes=plan.bucket_bytes)
+    if context.rank == 0:
+        engine.consume(buckets, version=version)
+    else:
+        for _ in buckets:
+            pass
 
-    def __init__(self, engine, *, weights_dir: str | Path, spec: ModelSpec, tokenizer_dir: str | Path) -> None:
+
+def actor_hf_state(actor, *, bucket_bytes: int = 256 * MB) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """HF-named CPU tensors of the actor's current weights on global rank 0; ``None`` elsewhere.
+
+    Every rank must call it. On rank 0 it returns a lazy iterator that must be exhausted
+    (the other ranks are inside the export until it is); elsewhere it runs this rank's part
+    of the export before returning.
+    """
+    buckets = stream_to_rank0(actor, bucket_bytes=bucket_bytes)
+    if actor.context.rank == 0:
+        return ((name, tensor.cpu()) for bucket in buckets for name, tensor in bucket)
+    for _ in buckets:
+        pass
+    return None
+
+
+class _Wrapped:
+    """Generation and lifetime pass through to the wrapped engine."""
+
+    def __init__(self, engine, *, bucket_bytes: int) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.engine = engine
-        self.weights_dir = Path(weights_dir)
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        self.spec = spec
-        self.tokenizer_dir = Path(tokenizer_dir)
-        self._current: Path | None = None
+        self.bucket_bytes = bucket_bytes
 
     def generate(self, requests, params):
         return self.engine.generate(requests, params)
 
-    def update_weights(self, named_tensors, *, version: int) -> None:
-        from pipeline.checkpoint.hf_io import write_hf_checkpoint
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
 
-        export = write_hf_checkpoint(self.weights_dir / f"v{version}", named_tensors, spec=self.spec,
-                                     tokenizer_dir=self.tokenizer_dir, overwrite=True)
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+class LocalSyncedEngine(_Wrapped):
+    """The in-process engine; each sync copies the streamed buckets into its model."""
+
+    def plan(self, version: int) -> SyncPlan:
+        return SyncPlan(transport="local", bucket_bytes=self.bucket_bytes)
+
+    def consume(self, buckets: Iterator[Bucket], *, version: int) -> None:
+        # Tensors leave the GPU here, one bucket at a time: the engine takes CPU tensors.
+        pairs = ((name, tensor.cpu()) for bucket in buckets for name, tensor in bucket)
+        self.engine.update_weights(pairs, version=version)
+
+
+def _stage_file_name(pp_rank: int, index: int) -> str:
+    return f"model-pp{pp_rank:03d}-{index:05d}.safetensors"
+
+
+def _write_stage_files(actor, folder: Path, *, bucket_bytes: int) -> list[tuple[str, list[tuple[str, int, str]]]]:
+    """This stage's buckets as safetensors files in ``folder`` (on its source rank; ``[]`` elsewhere).
+
+    Returns ``[(file name, [(tensor name, bytes, dtype), ...]), ...]``. Memory: one bucket's
+    CPU copy on top of the export's bound (safetensors refuses tensors sharing storage, and
+    q/k/v are views of one fused tensor).
+    """
+    from safetensors.torch import save_file
+
+    written = []
+    buckets = stage_buckets(actor, bucket_bytes=bucket_bytes)
+    if not export_role(actor.context).source:
+        for _ in buckets:
+            pass
+        return written
+    for index, bucket in enumerate(buckets, start=1):
+        name = _stage_file_name(actor.context.pp_rank, index)
+        tensors = {key: tensor.detach().to("cpu", copy=True).contiguous() for key, tensor in bucket}
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        written.append((name, [(key, t.numel() * t.element_size(), str(t.dtype)) for key, t in tensors.items()]))
+    return written
+
+
+class DiskSyncedEngine(_Wrapped):
+    """An SGLang engine whose weights follow the actor through a folder every server can read."""
+
+    def __init__(self, engine, *, weights_dir: str | Path, spec: ModelSpec, tokenizer_dir: str | Path,
+                 bucket_bytes: int) -> None:
+        super().__init__(engine, bucket_bytes=bucket_bytes)
+        self.weights_dir = Path(weights_dir)
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        self.spec = spec
+        self.tokenizer_files = tokenizer_files(Path(tokenizer_dir))
+        if not self.tokenizer_files:
+            raise CheckpointError(f"tokenizer folder {tokenizer_dir} holds no tokenizer files")
+        self._generation_values = _generation_values(Path(tokenizer_dir), None)
+        self._current: Path | None = None
+
+    def _staging(self, version: int) -> Path:
+        return self.weights_dir / f".v{version}.staging"
+
+    def plan(self, version: int) -> SyncPlan:
+        staging = self._staging(version)
+        # A crashed earlier attempt at this version may have left files; no rank writes yet.
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        return SyncPlan(transport="disk", bucket_bytes=self.bucket_bytes, staging=str(staging))
+
+    def publish(self, files: list[tuple[str, list[tuple[str, int, str]]]], *, version: int) -> Path:
+        """Index, configs and tokenizer into the staging folder the stages filled; publish; load it."""
+        staging = self._staging(version)
+        try:
+            weight_map: dict[str, str] = {}
+            dtypes: dict[str, str] = {}
+            total = 0
+            for file_name, tensors in files:
+                for name, num_bytes, dtype in tensors:
+                    if name in weight_map:
+                        raise CheckpointError(f"tensor {name!r} written twice ({weight_map[name]}, {file_name})")
+                    weight_map[name] = file_name
+                    dtypes[name] = dtype
+                    total += num_bytes
+            expected = set(expected_hf_shapes(self.spec))
+            if set(weight_map) != expected:
+                missing, extra = sorted(expected - set(weight_map)), sorted(set(weight_map) - expected)
+                raise CheckpointError(f"the stages wrote the wrong tensor set: missing {missing[:3]}, extra {extra[:3]}")
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            dtype = getattr(torch, dtypes["model.embed_tokens.weight"].removeprefix("torch."))
+            _write_configs(staging, spec=self.spec, generation_values=self._generation_values, dtype=dtype)
+            for file in self.tokenizer_files:
+                shutil.copyfile(file, staging / file.name)
+            export = self.weights_dir / f"v{version}"
+            publish_directory(staging, export, overwrite=True)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         self.engine.update_weights_from_disk(str(export), version=version)
         if self._current is not None and self._current != export:
             shutil.rmtree(self._current, ignore_errors=True)
         self._current = export
+        return export
+
+
+def update_group_address(server_urls: list[str]) -> str:
+    """The address servers reach the trainer's rank 0 at: loopback when every server is local."""
+    hosts = {urlparse(url).hostname for url in server_urls}
+    if hosts <= {"127.0.0.1", "localhost", "::1"}:
+        return "127.0.0.1"
+    return socket.gethostname()
+
+
+class DistributedSyncedEngine(_Wrapped):
+    """An SGLang engine whose weights arrive by broadcast over an update group led by this rank."""
+
+    def __init__(self, engine, *, bucket_bytes: int, backend: str, master_address: str, server_ranks: int,
+                 timeout_s: float) -> None:
+        super().__init__(engine, bucket_bytes=bucket_bytes)
+        self.backend = backend
+        self.master_address = master_address
+        self.server_ranks = server_ranks
+        self.timeout_s = timeout_s
+        self._group: UpdateGroup | None = None
+        self._groups_formed = 0
+
+    def plan(self, version: int) -> SyncPlan:
+        return SyncPlan(transport="distributed", bucket_bytes=self.bucket_bytes)
+
+    def _connect(self) -> UpdateGroup:
+        if self._group is not None:
+            return self._group
+        world_size = 1 + len(self.engine.live_servers) * self.server_ranks
+        port = free_port()
+        name = f"winnow-weights-{self._groups_formed}"
+        self._groups_formed += 1
+        # The servers answer init_weights_update_group only once every member joined, this rank too.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            joined = pool.submit(self.engine.init_weights_update_group, master_address=self.master_address,
+                                 master_port=port, world_size=world_size, ranks_per_server=self.server_ranks,
+                                 group_name=name, backend=self.backend)
+            group = UpdateGroup.join(master_address=self.master_address, master_port=port, rank=0,
+                                     world_size=world_size, name=name, backend=self.backend, timeout_s=self.timeout_s)
+            try:
+                joined.result()
+            except BaseException:
+                group.destroy()
+                raise
+        self._group = group
+        return group
+
+    def _disconnect(self) -> None:
+        if self._group is not None:
+            self._group.destroy()
+            self._group = None
+
+    def consume(self, buckets: Iterator[Bucket], *, version: int) -> None:
+        error: BaseException | None = None
+        try:
+            group = self._connect()
+            self.engine.begin_weight_update(version=version)
+        except (RolloutError, RuntimeError) as failure:
+            self._disconnect()
+            error = failure
+        in_session = error is None
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for bucket in buckets:
+                # After a failure the later stages still send their buckets: take them, so
+                # every trainer rank leaves the sync together.
+                if error is not None:
+                    continue
+                announced = pool.submit(
+                    self.engine.send_distributed_bucket, [name for name, _ in bucket],
+                    dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                    shapes=[list(t.shape) for _, t in bucket], version=version, group_name=group.name,
+                )
+                try:
+                    group.broadcast([tensor.contiguous() for _, tensor in bucket])
+                except RuntimeError as failure:  # a member left the group
+                    error = failure
+                    self._disconnect()
+                try:
+                    announced.result()
+                except RolloutError as failure:
+                    error = error or failure
+                    self._disconnect()
+        if in_session:
+            self.engine.end_weight_update(version=version, completed=error is None)
+        if error is not None:
+            raise RolloutError(
+                f"weight sync to version {version} over the update group failed (the group is closed; the next "
+                f"sync forms a new one with the servers still alive: {self.engine.live_servers}): {error}"
+            ) from error
 
     def close(self) -> None:
-        self.engine.close()
+        self._disconnect()
+        super().close()

@@ -14,11 +14,13 @@ def _sync_worker(rank, world_size, tp, pp):
     from pipeline.rollout.local import LocalEngine
     from pipeline.rollout.mismatch import logprob_mismatch
     from pipeline.rollout.types import GenerationRequest, SamplingParams
-    from pipeline.rollout.weight_sync import build_hf_model, sync_actor_to_engine
+    from pipeline.rollout.weight_sync import LocalSyncedEngine, build_hf_model, sync_actor_to_engine
     from pipeline.trainer.losses import CrossEntropyLoss
 
     actor = _actor(tp, pp, micro_batch_tokens=10_000, lr=3e-2)
-    engine = LocalEngine(build_hf_model(actor.spec), show_progress=False) if actor.context.rank == 0 else None
+    # A bucket of 4 KiB: the tiny model (~40 KiB) streams in many buckets.
+    engine = (LocalSyncedEngine(LocalEngine(build_hf_model(actor.spec), show_progress=False), bucket_bytes=4096)
+              if actor.context.rank == 0 else None)
     prompts = [[1, 5, 9], [2, 7], [3, 3, 3, 4]]
     requests = [GenerationRequest(prompt_id=str(i), prompt_token_ids=p, num_samples=2) for i, p in enumerate(prompts)]
     params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=11, ignore_eos=True)

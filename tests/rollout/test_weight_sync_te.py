@@ -47,7 +47,8 @@ def _to_te_name(name: str) -> str:
 def _fake_actor(spec: ModelSpec, state: dict[str, object], layer_spec: str):
     return types.SimpleNamespace(
         spec=spec,
-        context=types.SimpleNamespace(world_size=1, tensor_parallel=1, pipeline_parallel=1),
+        context=types.SimpleNamespace(rank=0, world_size=1, tensor_parallel=1, pipeline_parallel=1, tp_rank=0,
+                                      pp_rank=0, dp_rank=0, cp_rank=0, device=torch.device("cpu")),
         module=types.SimpleNamespace(state_dict=lambda: state),
         layer_spec_choice=LayerSpecChoice(name=layer_spec, reason="test"),
     )
