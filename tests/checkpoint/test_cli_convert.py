@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoint.hf_io import GENERATION_CONFIG_FILE, HFCheckpointReader
 from pipeline.checkpoint.gate import GATE_ATOL
+from pipeline.checkpoint.hf_io import GENERATION_CONFIG_FILE, HFCheckpointReader
 from pipeline.cli.convert import build_parser, main, parse_size
 from pipeline.models.spec import ModelSpec
 from tests.checkpoint.tiny_models import build_hf_model, tiny_spec
@@ -30,6 +30,7 @@ from tests.distributed_utils import find_free_port, run_distributed
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = tiny_spec("llama", tie_embeddings=False, num_query_groups=2)
 QWEN2_TIED = tiny_spec("qwen2", tie_embeddings=True, num_query_groups=2)
+QWEN3_TIED = tiny_spec("qwen3", tie_embeddings=True, num_query_groups=2)
 TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -115,8 +116,8 @@ def single_rank():
 
 @pytest.mark.parametrize(
     "spec, dtype",
-    [(LLAMA, torch.float32), (QWEN2_TIED, torch.bfloat16)],
-    ids=["llama-untied-fp32", "qwen2-tied-bf16"],
+    [(LLAMA, torch.float32), (QWEN2_TIED, torch.bfloat16), (QWEN3_TIED, torch.bfloat16)],
+    ids=["llama-untied-fp32", "qwen2-tied-bf16", "qwen3-tied-bf16"],
 )
 def test_hf_to_megatron_to_hf_is_bit_exact(tmp_path, tokenizer_dir, capsys, spec, dtype):
     from pipeline.checkpoint.manager import CheckpointManager
@@ -306,10 +307,12 @@ def test_tp2_training_checkpoint_exports_with_the_actors_logprobs(tmp_path, caps
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_hf_to_megatron_verifies_the_intended_layout(converted, tmp_path, capsys, tp, pp):
-    # QWEN2_TIED: biases, and with PP=2 the last stage's copy of the tied embedding.
-    hf = _save_hf(QWEN2_TIED, tmp_path / "hf", tokenizer_dir=None)
+@pytest.mark.parametrize("spec, tp, pp", [(QWEN3_TIED, 2, 1), (QWEN2_TIED, 1, 2)], ids=["qwen3-tp2", "qwen2-pp2"])
+def test_hf_to_megatron_verifies_the_intended_layout(converted, tmp_path, capsys, spec, tp, pp):
+    # QWEN3_TIED: the per-head q/k norms every TP rank applies to its own heads (Qwen2's biases
+    # under TP=2 are in test_hf_parity); QWEN2_TIED with PP=2: the last stage's copy of the tied
+    # embedding.
+    hf = _save_hf(spec, tmp_path / "hf", tokenizer_dir=None)
     code, out, err = _run(["hf-to-megatron", "--hf", hf, "--out", tmp_path / "run", "--tp", tp, "--pp", pp], capsys)
     assert code == 0, err
     assert f"(megatron TP={tp}, PP={pp})" in out
