@@ -5,7 +5,7 @@ The tokenizers carry the families' published chat templates and special tokens
 scaled down. Checked: winnow's prompt ids are the ids ``transformers`` gives (never two
 BOS tokens), winnow's greedy generation through the local engine equals
 ``transformers.generate(do_sample=False)`` token for token, and generation stops at each
-of the model's stop ids. (Qwen3 is left out: the trainer does not build that family yet.)
+of the model's stop ids. (Qwen3's conversion, parity and RL from a folder are in ``tests/checkpoint``.)
 """
 
 from __future__ import annotations
