@@ -17,15 +17,17 @@ buckets, then each later stage's as that stage's source rank sends them.
 Memory bound (extra, beyond the rank's own shard of the weights; ``P`` = the largest
 unsharded parameter, ``B`` = ``bucket_bytes``):
 
-* a stage's TP rank 0: ≤ B + 2·P — the open bucket, plus one parameter's gathered shards
-  (P) and their merge or unfused copies (P); shards are dropped once merged;
-* global rank 0 with PP > 1 while relaying: one received bucket, ≤ max(B, P);
+* a stage's TP rank 0: ≤ 2·B + 2·P — the bucket its consumer still holds (a ``for`` loop
+  keeps the last item while it asks for the next), the open bucket, and one parameter's
+  gathered shards (P) with their merge or unfused copies (P); shards are dropped once merged;
+* global rank 0 with PP > 1 while relaying: the bucket being received and the one its
+  consumer holds, ≤ 2·max(B, P);
 * every other rank: its shard's contiguous copy for the gather, ≤ P / TP.
 
-At 7B (bf16, B = 512 MB, P = the 1.09 GB embedding, TP = 4, PP = 2) that is ≤ 2.7 GB on a
-stage's TP rank 0 against 15.2 GB for the whole model, which today's gather put on global
-rank 0 once per rank (8 × 1.9 GB shards pickled at TP = 4, PP = 2). A sync moves the
-model once: 15.2 GB, each stage's half gathered inside its own TP group.
+At 7B (bf16, B = 512 MB, P = the 1.09 GB embedding, TP = 4, PP = 2) that is ≤ 3.2 GB on a
+stage's TP rank 0 against 15.2 GB for the whole model, which the old path gathered onto
+global rank 0 as pickled shards of every rank. A sync moves the model once: 15.2 GB, each
+stage's half gathered inside its own TP group.
 
 Yielded tensors stay on the actor's device and may be views of its parameters: read them
 before the next ``train_step``, never write to them.
@@ -33,14 +35,21 @@ before the next ``train_step``, never write to them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
 
-from pipeline.checkpoint.hf_map import MegatronLayout, megatron_to_hf_tensors, merge_tp, resolve_params
+from pipeline.checkpoint.hf_map import (
+    MegatronLayout,
+    expected_megatron_shapes,
+    megatron_to_hf_tensors,
+    merge_tp,
+    resolve_params,
+)
 from pipeline.parallel.weight_transfer import BucketRelay, export_role, gather_tp_shards
 
-__all__ = ["Bucket", "bucket_nbytes", "layout_of", "stage_buckets", "stream_to_rank0"]
+__all__ = ["Bucket", "bucket_nbytes", "extra_memory_bound", "layout_of", "stage_buckets", "stream_to_rank0"]
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -53,6 +62,15 @@ def layout_of(actor) -> MegatronLayout:
     context = actor.context
     return MegatronLayout.build(actor.spec, layer_spec=actor.layer_spec_choice.name,
                                 tp_size=context.tensor_parallel, pp_size=context.pipeline_parallel)
+
+
+def extra_memory_bound(actor, *, bucket_bytes: int) -> int:
+    """The stated bound on any rank's extra memory during a sync: 2 × ``bucket_bytes`` + 2 × the
+    largest unsharded parameter (its element size as the actor holds it)."""
+    shapes = expected_megatron_shapes(actor.spec, layout=layout_of(actor), sharded=False)
+    element_size = next(iter(actor.module.parameters())).element_size()
+    largest = max(math.prod(shape) for shape in shapes.values()) * element_size
+    return 2 * bucket_bytes + 2 * largest
 
 
 def _check_names(state, expected: set[str], *, context) -> None:
