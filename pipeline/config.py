@@ -99,6 +99,47 @@ class ParallelConfig:
     backend: Literal["auto", "nccl", "gloo"] = option(
         "auto", help="torch.distributed backend; auto picks nccl with CUDA and gloo without"
     )
+    collective_timeout_min: int | None = option(
+        None, ge=1, help="how long a rank waits in a collective before the job fails (null: derived from the "
+        "rollout timeouts by collective_timeout_minutes; a value below that is refused)"
+    )
+
+
+# The collective timeout when nothing longer is needed (torch's own NCCL default is 10 min).
+DEFAULT_COLLECTIVE_TIMEOUT_MIN = 30
+# The longest a weight sync may keep rank 0 away from the others: SGLangClientConfig.admin_timeout_s,
+# the limit of one server's update_weights call (the tests keep the two equal).
+WEIGHT_SYNC_ALLOWANCE_S = 900.0
+
+
+def collective_timeout_minutes(*, parallel: ParallelConfig, rollout: RolloutConfig) -> int:
+    """The trainer's collective timeout, in whole minutes: long enough for every legitimate wait.
+
+    While global rank 0 generates through SGLang servers, the other ranks wait for it in a
+    collective. One generation is bounded by ``rollout.batch_timeout_s`` when set, else by
+    ``rollout.request_timeout_s × rollout.max_attempts`` (a work item's tries, each up to the
+    request limit; a step's items run at once while they fit the client's 256 calls in flight,
+    so set ``batch_timeout_s`` for larger steps), and a weight sync by
+    ``WEIGHT_SYNC_ALLOWANCE_S``. The timeout must exceed their sum, else a slow but healthy
+    step kills the job. The local engine has no timeout to derive from: the default applies.
+    ``parallel.collective_timeout_min`` set below the sum is refused, naming the fields.
+    """
+    needed, wait = DEFAULT_COLLECTIVE_TIMEOUT_MIN, "the default"
+    if rollout.engine == "sglang":
+        if rollout.batch_timeout_s is not None:
+            wait_s, source = rollout.batch_timeout_s, "rollout.batch_timeout_s"
+        else:
+            wait_s = rollout.request_timeout_s * rollout.max_attempts
+            source = "rollout.request_timeout_s × rollout.max_attempts"
+        # Strictly longer than the wait: a whole minute more than its ceiling.
+        needed = max(needed, -(-int(wait_s + WEIGHT_SYNC_ALLOWANCE_S) // 60) + 1)
+        wait = f"a rollout of up to {wait_s:g} s ({source}) plus a {WEIGHT_SYNC_ALLOWANCE_S:g} s weight sync"
+    if parallel.collective_timeout_min is None:
+        return needed
+    _require(parallel.collective_timeout_min >= needed, "parallel.collective_timeout_min",
+             f"{parallel.collective_timeout_min} min; the other ranks wait for {wait} in a collective: at least "
+             f"{needed} min, or null to derive it, or lower the rollout timeouts")
+    return parallel.collective_timeout_min
 
 
 @dataclass(kw_only=True, slots=True)
@@ -463,6 +504,7 @@ class RLConfig:
     rollout: RolloutConfig = section(RolloutConfig, help="the rollout engine")
 
     def __post_init__(self) -> None:
+        collective_timeout_minutes(parallel=self.parallel, rollout=self.rollout)  # refuses one too short
         algorithm = self.algorithm
         if algorithm.budget == "e3":
             _require(algorithm.e3_budget.min_limit <= self.group_size <= algorithm.e3_budget.max_limit,

@@ -1,7 +1,8 @@
 """What runs on a node for one campaign stage: ``python -m pipeline.cli.task ROLE --campaign-dir D --stage S``.
 
 The roles are implemented in ``pipeline/launch/task.py``; this module parses the task
-script's command line (``pipeline/launch/nemo.py`` writes it).
+script's command line (``pipeline/launch/nemo.py`` writes it). A user error prints one
+``error:`` line and exits 2, which the job script never requeues.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pipeline.cli.common import run_handler
 from pipeline.launch.task import ROLES, run_role
 
 
@@ -23,7 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
-    return run_role(args.role, campaign_dir=args.campaign_dir, stage_name=args.stage, launcher=argv[split + 1 :])
+    launcher = argv[split + 1 :]
+    args.handler = lambda parsed: run_role(parsed.role, campaign_dir=parsed.campaign_dir, stage_name=parsed.stage,
+                                           launcher=launcher)
+    return run_handler(args)
 
 
 if __name__ == "__main__":

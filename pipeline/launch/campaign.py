@@ -29,14 +29,24 @@ from typing import Any, Literal
 from pipeline import configlib
 from pipeline.config import STAGE_CONFIGS, BootstrapConfig, CurateConfig, EvaluateConfig, RLConfig, TrainEstimatorConfig
 from pipeline.configlib import ConfigError, option
+from pipeline.errors import EXIT_USER_ERROR
 from pipeline.io import atomic_write_json
 
 PLAN_FILE = "campaign.json"
 STATUS_FILE = "status.json"
 STATES = ("pending", "running", "done", "failed")
 # EX_TEMPFAIL: a stage stopped early on SIGTERM/SIGUSR1 after checkpointing. The SLURM
-# task exits with it so the job is requeued (nemo-run's retry, or RequeueExit=75) and resumes.
+# task exits with it so the job is requeued (``job_exit``) and resumes from ``latest``.
 EXIT_REQUEUE = 75
+# The exit statuses of a stage's job that are final whatever the requeue budget: success, and
+# a user error (bad config or data, a malformed checkpoint, a failed conversion gate: the same
+# inputs fail the same way again). Every other status is transient: a checkpointed stop (75),
+# a task killed by signal N (srun reports 128 + N), torchrun's 1 when a rank died, an
+# unexpected exception (1) — the job script cannot tell a bug from a peer lost mid-collective.
+FINAL_EXITS = (0, EXIT_USER_ERROR)
+# What a job exits with instead of 75 when it is not requeued: clusters that set
+# RequeueExit=75 in slurm.conf would otherwise requeue it past the stage's ``requeues``.
+EXIT_STOPPED_FOR_GOOD = 1
 StageOutcome = Literal["done", "stopped"]
 
 
@@ -100,7 +110,10 @@ class Resources:
         None, help="SGLang servers for an rl, curate or evaluate stage (null: the local engine)"
     )
     time_limit: str | None = option(None, help="SLURM time limit of the stage's job (null: the profile's)")
-    requeues: int = option(0, ge=0, help="times a job that exits with a failure or a checkpointed stop is requeued")
+    requeues: int = option(
+        0, ge=0, help="times the job is requeued after a transient failure (a checkpointed stop, a killed task, "
+                      "a lost node); never after a user error (exit 2)"
+    )
 
     @property
     def num_ranks(self) -> int:
@@ -109,6 +122,20 @@ class Resources:
     @property
     def total_nodes(self) -> int:
         return self.nodes + (self.rollout.nodes if self.rollout else 0)
+
+
+def job_exit(code: int, *, restarts: int, requeues: int) -> tuple[bool, int]:
+    """(requeue the job?, the status it exits with) for a stage whose task exited ``code``.
+
+    ``restarts``: ``SLURM_RESTART_COUNT`` of this attempt; ``requeues``: the stage's budget
+    (``Resources.requeues``). The job script (``pipeline.launch.nemo.requeue_trap``) applies
+    the same table in bash, after srun returns, so it also holds for a task that was killed.
+    """
+    if code in FINAL_EXITS:
+        return False, code
+    if restarts < requeues:
+        return True, code
+    return False, EXIT_STOPPED_FOR_GOOD if code == EXIT_REQUEUE else code
 
 
 # kind → config class: every stage, the export of a run to Hugging Face, the conversion of a base model.

@@ -12,8 +12,16 @@ downstream task even after its upstream one failed, so the order is kept here), 
 interpreter that runs the launcher. SLURM: every pending stage is submitted at once with
 ``--dependency=afterok`` on its parents and ``--kill-on-invalid-dep=yes``, so SLURM
 itself cancels the dependents of a failed stage, also after the launcher has gone;
-``--signal=USR1@<profile.signal_s>`` plus ``--requeue`` on rl stages, which checkpoint on
-the signal, exit 75 and resume from ``latest`` when the job restarts.
+``--signal=USR1@<lead>`` on rl stages, which checkpoint on the signal, exit 75 and resume
+from ``latest`` when the job restarts; the lead is the planner's estimate of one checkpoint
+write, at least the profile's ``signal_s`` (:func:`signal_lead_s`).
+
+Requeue: the sbatch script, not nemo-run's retry loop (which requeues every non-zero exit),
+decides. After srun returns, :func:`requeue_trap` applies
+:func:`pipeline.launch.campaign.job_exit`: success and a user error (2) end the job, any
+other status requeues it (``scontrol requeue``) while ``SLURM_RESTART_COUNT`` is below the
+stage's ``requeues``. A batch shell that SLURM itself signals (scancel, a hard time limit,
+preemption) never requeues: SLURM's own policy applies then.
 """
 
 from __future__ import annotations
@@ -33,7 +41,16 @@ import nemo_run as run
 from nemo_run.config import RUNDIR_NAME
 
 from pipeline.configlib import ConfigError
-from pipeline.launch.campaign import CampaignPlan, CampaignResult, CampaignStatus, Stage, unfinished_dependency
+from pipeline.launch.campaign import (
+    EXIT_REQUEUE,
+    EXIT_STOPPED_FOR_GOOD,
+    FINAL_EXITS,
+    CampaignPlan,
+    CampaignResult,
+    CampaignStatus,
+    Stage,
+    unfinished_dependency,
+)
 from pipeline.launch.slurm_profiles import SlurmProfile, parse_slurm_time
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,7 +147,71 @@ def stage_script(plan: CampaignPlan, stage: Stage, *, python: str, workdir: str 
 SLURM_SETUP_LINES = 'export WINNOW_NODES="${nodes[*]}"\nexport WINNOW_HEAD_NODE="$head_node"'
 
 
+def requeue_trap(requeues: int) -> str:
+    """Bash for the sbatch script's setup: an EXIT trap that requeues the job for a transient exit.
+
+    nemo-run's script ends with ``exit <srun's status>`` (its own retries are off), which runs
+    the trap: the table of ``pipeline.launch.campaign.job_exit``, in bash because the task may
+    have been killed before it could decide anything. srun reports a task killed by signal N
+    as 128 + N. A TERM to the batch shell (scancel, the hard time limit, preemption) marks the
+    job as ended by SLURM: ``scontrol requeue`` would otherwise bring a cancelled job back.
+    """
+    final = "|".join(str(code) for code in FINAL_EXITS)
+    return f"""winnow_ended_by_slurm=0
+trap 'winnow_ended_by_slurm=1' TERM
+winnow_job_exit() {{
+    local code=$? restarts=${{SLURM_RESTART_COUNT:-0}}
+    trap - EXIT
+    case $code in {final}) exit "$code" ;; esac
+    if [ "$winnow_ended_by_slurm" = 0 ] && [ "$restarts" -lt {requeues} ] && scontrol requeue "$SLURM_JOB_ID"; then
+        echo "winnow: the stage exited $code: requeued (restart $((restarts + 1)) of {requeues})" >&2
+        exit "$code"
+    fi
+    echo "winnow: the stage exited $code: not requeued ($restarts of {requeues} restarts used)" >&2
+    [ "$code" = {EXIT_REQUEUE} ] && exit {EXIT_STOPPED_FOR_GOOD}
+    exit "$code"
+}}
+trap winnow_job_exit EXIT"""
+
+
 # ================================================================ executors
+
+
+def rl_checkpoint_write(stage: Stage):
+    """The planner's estimate of one checkpoint write of an rl stage, or None when its model is unknown yet.
+
+    The model's dimensions come from the stage's policy (a Hugging Face folder or a winnow
+    checkpoint) or its servers' ``model_path`` (the same architecture); a policy the
+    campaign has not produced yet (the bootstrap's) gives None.
+    """
+    from pipeline.launch.plan import checkpoint_write_plan, layout_from_rl, load_model_dims, trainer_settings_from_rl
+
+    cfg, resources = stage.config, stage.resources
+    candidates = [cfg.policy, resources.rollout.model_path if resources.rollout else None]
+    dims = None
+    for path in (path for path in candidates if path and Path(path).exists()):
+        try:
+            dims = load_model_dims(path)
+            break
+        except (ValueError, OSError):  # not a model folder or checkpoint after all
+            continue
+    if dims is None:
+        return None
+    layout = layout_from_rl(cfg, trainer_gpus=resources.num_ranks)
+    distributed = cfg.trainer.distributed_optimizer
+    trainer = trainer_settings_from_rl(
+        cfg, distributed_optimizer=layout.data_parallel > 1 if distributed is None else distributed,
+        recompute=cfg.trainer.recompute)
+    return checkpoint_write_plan(dims, layout=layout, trainer=trainer)
+
+
+def signal_lead_s(stage: Stage, *, profile: SlurmProfile) -> int:
+    """Seconds before its time limit an rl job gets SIGUSR1: one checkpoint write, at least ``signal_s``.
+
+    The loop checkpoints after the step in flight; ``signal_s`` (the floor) should cover that step.
+    """
+    estimate = rl_checkpoint_write(stage)
+    return max(profile.signal_s, estimate.signal_s if estimate is not None else 0)
 
 
 def local_executor():
@@ -157,12 +238,14 @@ def slurm_executor(stage: Stage, *, profile: SlurmProfile, plan_name: str, exper
         raise ConfigError(f"stages.{stage.name}.resources.ranks_per_node: {resources.ranks_per_node} exceeds the "
                           f"profile's {profile.cpus_per_node} CPUs and {profile.gpus_per_node} GPUs per node")
     time_limit = resources.time_limit or profile.time_limit
-    if stage.kind == "rl" and profile.signal_s >= parse_slurm_time(time_limit, field="time_limit"):
-        raise ConfigError(f"stages.{stage.name}: the profile's signal_s ({profile.signal_s} s) is not below the "
+    lead_s = signal_lead_s(stage, profile=profile) if stage.kind == "rl" else None
+    if lead_s is not None and lead_s >= parse_slurm_time(time_limit, field="time_limit"):
+        raise ConfigError(f"stages.{stage.name}: the SIGUSR1 lead ({lead_s} s: the profile's signal_s "
+                          f"{profile.signal_s} s or the planner's checkpoint-write estimate) is not below the "
                           f"job's time limit {time_limit!r}")
     additional: dict[str, Any] = {"kill_on_invalid_dep": "yes"}
     if resources.requeues:
-        additional["requeue"] = True
+        additional["requeue"] = True  # scontrol requeue refuses a job that is not requeueable
     if profile.gpus_per_node == 0:
         # CPU clusters: each trainer rank gets its cores (the one task per node runs them all).
         additional["cpus_per_task"] = resources.ranks_per_node
@@ -178,10 +261,10 @@ def slurm_executor(stage: Stage, *, profile: SlurmProfile, plan_name: str, exper
         container_mounts=list(profile.container_mounts),
         env_vars=dict(profile.env),
         srun_args=list(profile.srun_args) or None,
-        signal=f"USR1@{profile.signal_s}" if stage.kind == "rl" else None,
+        signal=f"USR1@{lead_s}" if lead_s is not None else None,
         additional_parameters=additional,
-        setup_lines=SLURM_SETUP_LINES,
-        retries=resources.requeues,
+        setup_lines=SLURM_SETUP_LINES + "\n" + requeue_trap(resources.requeues),
+        retries=0,  # nemo-run's script would requeue every failure, user errors included
         tunnel=run.LocalTunnel(job_dir=str(experiments_dir / "experiments"))
         if profile.tunnel.kind == "local" else run.SSHTunnel(
             host=profile.tunnel.host, user=profile.tunnel.user, job_dir=profile.tunnel.job_dir,

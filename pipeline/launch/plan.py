@@ -44,6 +44,13 @@ What it models, and from where:
   forward (π_old recompute, reference policy); rollout ``2·N`` per prompt and generated token
   (attention ignored: decode is bound by memory bandwidth, which the rollout MFU absorbs).
   MFUs are assumptions, printed with the result.
+* **Checkpoint write** (``checkpoint_write_plan``): a checkpoint holds each rank's weights and
+  optimizer state (no gradients). megatron's ``dist_checkpointing`` writes a replicated shard
+  once, from the first data-parallel rank, so that rank writes the whole model-parallel
+  share of weights plus its optimizer share (all of it without the distributed optimizer):
+  ``model_state_bytes`` less the gradients. Time: those bytes at an assumed per-rank write
+  bandwidth of the shared filesystem, times a safety factor, plus a fixed cost (collectives
+  between phases, metadata, the manifest). It sets the SLURM ``--signal`` lead of rl jobs.
 * **KV cache** (``kv_cache_plan``): ``2·L·g·d·bytes`` per token (K and V of every layer),
   split over a server's TP ranks (replicated when ``g < tp``); capacity is SGLang's
   ``--mem-fraction-static`` share of the GPU minus the weights.
@@ -62,6 +69,7 @@ from pipeline.models.spec import ModelSpec
 __all__ = [
     "GPUS",
     "Assumptions",
+    "CheckpointWrite",
     "Cluster",
     "GPUSpec",
     "KVCachePlan",
@@ -74,6 +82,7 @@ __all__ = [
     "TrainerSettings",
     "Workload",
     "candidate_layouts",
+    "checkpoint_write_plan",
     "head_buffer_bytes",
     "korthikanti_gpt_layer_bytes",
     "kv_cache_plan",
@@ -277,6 +286,11 @@ class Assumptions:
     response_fraction: float = 1.0  # mean response length / max_new_tokens (1.0: every response hits the cap)
     mem_fraction_static: float = 0.85  # SGLang --mem-fraction-static: weights + KV cache share of a GPU
     server_bytes_per_param: int = 2  # SGLang serves bf16
+    # GB/s one rank sustains writing a checkpoint to the shared filesystem: a conservative figure
+    # for a parallel filesystem client under load (Lustre and GPFS clients reach several GB/s alone).
+    checkpoint_write_gbps: float = 1.0
+    checkpoint_safety: float = 2.0  # contention with other jobs, a slow storage target
+    checkpoint_fixed_s: float = 60.0  # agreement collectives, metadata, manifest and publish
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -504,6 +518,42 @@ def memory_plan(inputs: PlanInputs) -> list[MemoryBreakdown]:
             in_flight_micro_batches=in_flight,
         ))
     return stages
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointWrite:
+    bytes_per_rank: int  # what the busiest rank writes: first DP rank of the largest pipeline stage
+    total_bytes: int  # the whole checkpoint (every shard once)
+    seconds: float  # the busiest rank's write time, with the safety factor and fixed cost
+
+    @property
+    def signal_s(self) -> int:
+        """Whole seconds of warning a job needs to finish this write before its time limit."""
+        return math.ceil(self.seconds)
+
+
+def checkpoint_write_plan(dims: ModelDims, *, layout: Layout, trainer: TrainerSettings,
+                          assumptions: Assumptions = Assumptions()) -> CheckpointWrite:
+    """Bytes and seconds of one checkpoint save (see the module docstring).
+
+    7B (Qwen2.5-7B, 7.6e9 parameters) on 8×H100, TP = PP = 1, DP = 8, bf16 with the
+    distributed optimizer: the first DP rank writes 2 + 12/8 bytes per parameter, 26.7 GB,
+    in 2 × 26.7 s + 60 s ≈ 113 s at 1 GB/s; the whole checkpoint is 14 bytes per
+    parameter, 107 GB.
+    """
+    per_rank, total = 0, 0
+    for params in stage_parameters(dims, layout):
+        weights, _, optimizer = model_state_bytes(params, trainer=trainer, data_parallel=layout.data_parallel)
+        per_rank = max(per_rank, weights + optimizer)
+        full = replace(trainer, distributed_optimizer=False)
+        weights, _, optimizer = model_state_bytes(params, trainer=full, data_parallel=1)
+        total += layout.tensor_parallel * (weights + optimizer)
+    seconds = (per_rank / (assumptions.checkpoint_write_gbps * 1e9) * assumptions.checkpoint_safety
+               + assumptions.checkpoint_fixed_s)
+    return CheckpointWrite(bytes_per_rank=per_rank, total_bytes=total, seconds=seconds)
 
 
 # ------------------------------------------------------------------------------ rollout

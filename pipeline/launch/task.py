@@ -8,8 +8,12 @@ writes, which calls one of three roles:
   rollout servers and hands their URLs to the trainer; then it runs the stage in
   this process (one rank) or the torchrun command given after ``--`` (more ranks).
   A stage stopped by SIGTERM/SIGUSR1 after a checkpoint exits 75, so the job is
-  requeued and resumes from ``latest``.
-* ``worker``: one torchrun rank; runs the stage with torchrun's rendezvous.
+  requeued and resumes from ``latest``; a user error exits 2 and is not requeued
+  (``pipeline.launch.campaign.job_exit``).
+* ``worker``: one torchrun rank; runs the stage with torchrun's rendezvous, in a process
+  group whose collective timeout is ``pipeline.config.collective_timeout_minutes``.
+  torchrun exits 1 whatever its failed rank exited with, so a rank that fails with a
+  user error also leaves a line in the node's rank-exit folder, and the node exits 2.
 * ``serve``: one per rollout node; runs its SGLang servers until the first trainer
   node marks the attempt finished. Servers serve rl, curate and evaluate stages alike;
   the stage's ``rollout`` block is pointed at them (``with_servers``).
@@ -22,20 +26,36 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.launch.campaign import EXIT_REQUEUE, CampaignPlan, CampaignStatus, Stage, rl_finished, run_stage
+from pipeline.errors import EXIT_USER_ERROR, UserError
+from pipeline.launch.campaign import (
+    EXIT_REQUEUE,
+    CampaignPlan,
+    CampaignStatus,
+    Stage,
+    job_exit,
+    rl_finished,
+    run_stage,
+)
 
 SERVERS_ENV = "WINNOW_ROLLOUT_SERVERS"  # comma-separated URLs, from the first trainer node to its ranks
 NODES_ENV = "WINNOW_NODES"  # the job's host names, in SLURM's order (set by the sbatch script)
+# A node-local folder, from the node role to its torchrun ranks: a rank failing with a user error
+# writes its error line to rank_<RANK> there before exiting 2.
+RANK_EXIT_DIR_ENV = "WINNOW_RANK_EXIT_DIR"
+# What a stage exits with on a user error, and what its job script never requeues.
+USER_ERRORS = (UserError, FileNotFoundError)
 ROLLOUT_DIR = "rollout"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -180,14 +200,19 @@ class _Signals:
 
 
 def run_node(plan: CampaignPlan, stage: Stage, *, launcher: Sequence[str]) -> int:
-    """The ``node`` role; ``launcher`` is the torchrun command for a multi-rank stage (else empty)."""
+    """The ``node`` role; ``launcher`` is the torchrun command for a multi-rank stage (else empty).
+
+    Returns the node's exit status: 0, 75 (stopped after a checkpoint), 2 (a user error,
+    also one a torchrun rank hit) or the trainer's failure; a user error of this process
+    itself is recorded and re-raised (the CLI prints it and exits 2).
+    """
     node_id = int(os.environ.get("SLURM_NODEID", "0"))
     first = node_id == 0
     status = CampaignStatus(plan.output_dir)
     token = _attempt_token()
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     if first:
-        status.update(stage.name, "running", job_id=os.environ.get("SLURM_JOB_ID"),
-                      restarts=int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+        status.update(stage.name, "running", job_id=os.environ.get("SLURM_JOB_ID"), restarts=restarts)
     code, error = 1, "did not finish"
     with _Signals() as signals:
         try:
@@ -197,10 +222,9 @@ def run_node(plan: CampaignPlan, stage: Stage, *, launcher: Sequence[str]) -> in
                 wait_for_servers(urls, timeout_s=stage.resources.rollout.startup_timeout_s)
                 os.environ[SERVERS_ENV] = ",".join(urls)
             if launcher:
-                signals.child = subprocess.Popen(list(launcher))
-                code = signals.child.wait()
-                error = f"trainer exited with {code}"
+                code, error = _run_ranks(launcher, signals=signals)
             else:
+                # One rank: no peer to wait for, so the stage's own process group will do.
                 outcome = run_stage(with_servers(stage, _servers_from_env()))
                 code = 0 if outcome == "done" else EXIT_REQUEUE
         except Exception as caught:  # noqa: BLE001 - recorded in the status file, then re-raised
@@ -209,18 +233,34 @@ def run_node(plan: CampaignPlan, stage: Stage, *, launcher: Sequence[str]) -> in
                 status.update(stage.name, "failed", error=error)
                 _mark_attempt_done(plan, stage, token)
             raise
-    if stage.kind == "rl" and (code in (0, EXIT_REQUEUE) or signals.received is not None):
+    if stage.kind == "rl" and code != EXIT_USER_ERROR and (code in (0, EXIT_REQUEUE) or signals.received is not None):
         # A signal stops the loop after a checkpoint; torchrun, signalled too, exits non-zero meanwhile.
         code = 0 if rl_finished(stage.config) else EXIT_REQUEUE
     if first:
+        requeued, _ = job_exit(code, restarts=restarts, requeues=stage.resources.requeues)
+        then = "; requeued" if requeued else ("; no requeue left, relaunch to resume" if code == EXIT_REQUEUE else "")
         if code == 0:
             status.update(stage.name, "done")
         elif code == EXIT_REQUEUE:
-            status.update(stage.name, "pending", error="stopped by a signal after a checkpoint; requeued")
+            status.update(stage.name, "pending", error="stopped by a signal after a checkpoint" + then)
         else:
-            status.update(stage.name, "failed", error=error)
+            status.update(stage.name, "failed", error=error + then)
         _mark_attempt_done(plan, stage, token)
     return code
+
+
+def _run_ranks(launcher: Sequence[str], *, signals: _Signals) -> tuple[int, str]:
+    """Run torchrun; (exit status, error). A rank's user error turns torchrun's 1 into 2."""
+    exit_dir = Path(tempfile.mkdtemp(prefix="winnow-rank-exits-"))
+    try:
+        signals.child = subprocess.Popen(list(launcher), env={**os.environ, RANK_EXIT_DIR_ENV: str(exit_dir)})
+        code = signals.child.wait()
+        errors = [path.read_text().strip() for path in sorted(exit_dir.glob("rank_*"))]
+    finally:
+        shutil.rmtree(exit_dir, ignore_errors=True)
+    if code != 0 and errors:
+        return EXIT_USER_ERROR, errors[0]
+    return code, f"trainer exited with {code}"
 
 
 def _mark_attempt_done(plan: CampaignPlan, stage: Stage, token: str) -> None:
@@ -231,9 +271,39 @@ def _mark_attempt_done(plan: CampaignPlan, stage: Stage, token: str) -> None:
     marker.write_text(token + "\n")
 
 
+def stage_context(stage: Stage):
+    """An rl stage's process group, with the collective timeout its rollout timeouts need; else None.
+
+    None lets every other stage bring up its own group as it does when run by hand.
+    """
+    if stage.kind != "rl":
+        return None
+    from pipeline.config import collective_timeout_minutes
+    from pipeline.parallel.context import ParallelContext
+    from pipeline.parallel.rendezvous import single_process_rendezvous
+
+    cfg = stage.config
+    return ParallelContext.initialize(
+        tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
+        seed=cfg.seed, backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend,
+        timeout_minutes=collective_timeout_minutes(parallel=cfg.parallel, rollout=cfg.rollout),
+        **single_process_rendezvous())
+
+
 def run_worker(stage: Stage) -> int:
-    """One torchrun rank: the stage under torchrun's RANK/WORLD_SIZE/MASTER_ADDR."""
-    run_stage(with_servers(stage, _servers_from_env()))
+    """One torchrun rank: the stage under torchrun's RANK/WORLD_SIZE/MASTER_ADDR.
+
+    A user error is written to the node's rank-exit folder (torchrun would report it as a
+    plain failure) and re-raised: the CLI prints it and exits 2.
+    """
+    try:
+        run_stage(with_servers(stage, _servers_from_env()), context=stage_context(stage))
+    except USER_ERRORS as error:
+        exit_dir = os.environ.get(RANK_EXIT_DIR_ENV)
+        if exit_dir:
+            rank = os.environ.get("RANK", "0")
+            Path(exit_dir, f"rank_{int(rank):05d}").write_text(f"rank {rank}: {type(error).__name__}: {error}\n")
+        raise
     return 0
 
 

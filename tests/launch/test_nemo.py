@@ -19,6 +19,7 @@ from pipeline.launch.nemo import (
     apply_executor_overrides,
     follow_slurm_jobs,
     launch_campaign,
+    requeue_trap,
     stage_script,
 )
 from pipeline.launch.slurm_profiles import TunnelProfile, load_profile
@@ -69,7 +70,9 @@ def test_h100_rl_jobs(tmp_path, recipe, trainer_nodes, rollout_nodes, servers_pe
     assert flags["gpus-per-node"] == "8"
     assert (flags["account"], flags["partition"], flags["time"]) == ("llm_rl", "batch", "04:00:00")
     assert flags["signal"] == "USR1@300" and "requeue" in flags and flags["kill-on-invalid-dep"] == "yes"
-    assert "export TORCHX_MAX_RETRIES=50" in sbatch  # requeues after a checkpointed stop
+    # nemo-run's own retry loop is off; the trap requeues transient exits, up to the stage's 50
+    assert "export TORCHX_MAX_RETRIES=0" in sbatch
+    assert requeue_trap(50) in sbatch and "trap winnow_job_exit EXIT" in sbatch
     # pyxis: image, the profile's mounts, its extra flags
     srun = next(line for line in sbatch.splitlines() if line.startswith("srun --output"))
     assert "--container-image /lustre/images/winnow-sglang.sqsh" in srun
