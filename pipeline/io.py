@@ -36,11 +36,13 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "cache_root",
     "fsync_directory",
     "package_versions",
     "publish_directory",
     "rename_in_staging",
     "replace_durably",
+    "resolve_cache_dir",
     "staged_directory",
 ]
 
@@ -193,3 +195,30 @@ def package_versions(names: Iterable[str] = RESULT_PACKAGES) -> dict[str, str]:
         except PackageNotFoundError:
             versions[name] = "not installed"
     return versions
+
+
+# ---------------------------------------------------------------- the cache root
+
+CACHE_ENV = "WINNOW_CACHE"
+
+
+def cache_root() -> Path:
+    """The one folder every winnow cache lives under, absolute.
+
+    ``$WINNOW_CACHE`` if set; else ``$XDG_CACHE_HOME/winnow``; else ``~/.cache/winnow``. It
+    never depends on the current folder, so `winnow rl` started anywhere finds the base
+    policy a `winnow bootstrap` cached elsewhere instead of silently training it again.
+    """
+    explicit = os.environ.get(CACHE_ENV, "").strip()
+    if explicit:
+        return Path(explicit).expanduser().absolute()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    # The XDG spec ignores a relative XDG_CACHE_HOME; so does this.
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "winnow"
+
+
+def resolve_cache_dir(path: str | os.PathLike[str]) -> Path:
+    """A cache folder option: an absolute path (after ``~``) is used as given, a relative one lives under ``cache_root()``."""
+    folder = Path(path).expanduser()
+    return folder if folder.is_absolute() else cache_root() / folder

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Every cache a test run touches (a bootstrap policy, the unpacked MiniLM) lives in a
+# folder of this session, never in the user's cache: set before collection, so configs
+# built at import time and every subprocess (they inherit the environment) resolve there.
+_SESSION_CACHE = Path(tempfile.mkdtemp(prefix="winnow-test-cache-"))
+os.environ["WINNOW_CACHE"] = str(_SESSION_CACHE)
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

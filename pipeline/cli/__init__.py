@@ -47,6 +47,14 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    # What `pipeline.stages.preflight` checks before `run` starts (a stage config, or the
+    # inputs named by flags); None: nothing to check beyond what the parser does.
+    inputs: Callable[[argparse.Namespace], object] | None = None
+
+
+def _config_inputs(config_type: type) -> Callable[[argparse.Namespace], object]:
+    """The command's stage config, loaded from ``--config`` and the overrides as its handler loads it."""
+    return lambda args: configlib.load(config_type, yaml_path=args.config, overrides=args.overrides)
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +70,14 @@ def _data_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="benchmark name (math500, gsm8k, math, minerva), synthetic spec, or a .jsonl/.parquet path")
     parser.add_argument("--split", default=None, help="split to read (default: the data config's split, else test for benchmarks)")
     _add_config_arguments(parser)
+
+
+def _data_inspect_inputs(args: argparse.Namespace) -> object:
+    from pipeline.stages.preflight import DataInspectInputs
+
+    cfg = configlib.load(DataInspectConfig, yaml_path=args.config, overrides=args.overrides)
+    return DataInspectInputs(source=args.source, split=args.split or cfg.data.split, on_bad_row=cfg.data.on_bad_row,
+                             max_field_chars=cfg.data.max_field_chars)
 
 
 def _data_inspect(args: argparse.Namespace) -> int:
@@ -142,48 +158,63 @@ def _config_docs(args: argparse.Namespace) -> int:
 
 STAGES: list[Command] = [
     Command("rl", "the RL loop: generate, grade, select, update, sync, checkpoint",
-            _add_config_arguments, _rl),
+            _add_config_arguments, _rl, _config_inputs(RLConfig)),
     Command("demo", "the CPU demo: base policy, weight sync, pass@k on held-out sets, log-prob agreement",
-            _add_config_arguments, _demo),
+            _add_config_arguments, _demo, _config_inputs(DemoConfig)),
     Command("bootstrap", "train the tokenizer and supervised base policy of the CPU demo (cached)",
-            _add_config_arguments, _bootstrap),
+            _add_config_arguments, _bootstrap, _config_inputs(BootstrapConfig)),
 ]
+
 
 def _convert_commands() -> list[Command]:
     from pipeline.cli import convert
 
     return [
         Command("hf-to-megatron", "Hugging Face folder → winnow checkpoint (weights), verified by logits",
-                convert.add_hf_to_megatron_arguments, convert.run_hf_to_megatron),
+                convert.add_hf_to_megatron_arguments, convert.run_hf_to_megatron, convert.hf_to_megatron_inputs),
         Command("megatron-to-hf", "winnow checkpoint → Hugging Face folder, verified by logits",
-                convert.add_megatron_to_hf_arguments, convert.run_megatron_to_hf),
+                convert.add_megatron_to_hf_arguments, convert.run_megatron_to_hf, convert.megatron_to_hf_inputs),
     ]
 
 
 def _stage_commands_with_own_arguments() -> list[Command]:
-    from pipeline.cli import curate, evaluate
+    from pipeline.cli import curate, evaluate, plan
     from pipeline.cli import estimator as train_estimator
-    from pipeline.cli import plan
+    from pipeline.config import CurateConfig, TrainEstimatorConfig
 
     return [
         Command("plan", "per-GPU memory, KV cache, context, step time and GPU-hours of an rl job; the verdict",
                 plan.add_plan_arguments, plan.run_plan_command),
         Command("train-estimator", "train the DEPO difficulty estimator on curation outputs; report calibration",
-                train_estimator.add_train_estimator_arguments, train_estimator.run_train_estimator_command),
+                train_estimator.add_train_estimator_arguments, train_estimator.run_train_estimator_command,
+                _config_inputs(TrainEstimatorConfig)),
         Command("curate", "sample k answers per prompt, grade them, keep prompts of useful difficulty",
-                curate.add_curate_arguments, curate.run_curate_command),
+                curate.add_curate_arguments, curate.run_curate_command, _config_inputs(CurateConfig)),
         Command("evaluate", "sampled pass@1…pass@32 of a policy on benchmarks, sharded and resumable",
-                evaluate.add_evaluate_arguments, evaluate.run_evaluate_command),
+                evaluate.add_evaluate_arguments, evaluate.run_evaluate_command, _evaluate_inputs),
         Command("evaluate-compare", "two evaluation runs side by side: B − A with bootstrap intervals",
                 evaluate.add_compare_arguments, evaluate.run_compare_command),
     ]
+
+
+def _evaluate_inputs(args: argparse.Namespace) -> object:
+    """The config `winnow evaluate` runs: the policy named as POLICY or policy=DIR, set after loading."""
+    import dataclasses
+
+    from pipeline.cli.evaluate import policy_and_overrides
+    from pipeline.config import EvaluateConfig
+
+    policy, overrides = policy_and_overrides(args.policy, args.overrides)
+    cfg = configlib.load(EvaluateConfig, yaml_path=args.config, overrides=overrides)
+    return dataclasses.replace(cfg, policy=policy if policy is not None else cfg.policy,
+                               tokenizer=args.tokenizer or cfg.tokenizer)
 
 
 def _stats_commands() -> list[Command]:
     from pipeline.cli import stats as stats_cli
 
     return [Command("show", "per-prompt statistics of a run: top prompts by a column, and a summary",
-                    stats_cli.add_stats_show_arguments, stats_cli.run_stats_show)]
+                    stats_cli.add_stats_show_arguments, stats_cli.run_stats_show, stats_cli.stats_show_inputs)]
 
 
 # ---------------------------------------------------------------- launch
@@ -249,14 +280,15 @@ def _launch_options(args: argparse.Namespace):
 def _launch(plan, args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from pipeline.cli.plan import check_campaign_plan
     from pipeline.launch.campaign import CampaignStatus
     from pipeline.launch.nemo import apply_executor_overrides, launch_campaign
-
-    from pipeline.cli.plan import check_campaign_plan
 
     overrides, options = _launch_options(args)
     plan = apply_executor_overrides(plan, overrides)
     check_campaign_plan(plan, args)
+    if options.executor == "local" and not options.dryrun:
+        _preflight_campaign(plan)
     result = launch_campaign(plan, options=options)
     if isinstance(result, Path):
         print(f"dry run: task scripts under {result}")
@@ -272,6 +304,46 @@ def _launch(plan, args: argparse.Namespace) -> int:
               f"not run {', '.join(result.blocked) or 'none'}", file=sys.stderr)
         return 1
     return 0
+
+
+def _preflight_campaign(plan) -> None:
+    """Check every stage's inputs before the first one runs.
+
+    Inputs under the campaign's output folder or a bootstrap cache of the plan are what
+    earlier stages will write; the campaign runner checks those when the stage's turn comes
+    (``pipeline.stages.preflight.preflight`` before each stage).
+    """
+    from pathlib import Path
+
+    from pipeline.config import BootstrapConfig
+    from pipeline.io import resolve_cache_dir
+    from pipeline.stages.preflight import PreflightError, preflight
+
+    roots = [Path(plan.output_dir).absolute()] + [resolve_cache_dir(stage.config.cache_dir) for stage in plan.stages
+                                                   if isinstance(stage.config, BootstrapConfig)]
+
+    def produced(path: Path) -> bool:
+        return any(path.absolute().is_relative_to(root) for root in roots)
+
+    problems = []
+    done = _done_stages(plan)
+    for stage in plan.stages:
+        if stage.name in done:
+            continue
+        try:
+            for note in preflight(stage.config, produced=produced):
+                print(f"{stage.name}: {note}")
+        except PreflightError as error:
+            problems += [f"stages.{stage.name}.config.{problem}" for problem in error.problems]
+    if problems:
+        raise PreflightError(problems)
+
+
+def _done_stages(plan) -> set[str]:
+    from pipeline.launch.campaign import CampaignStatus
+
+    states = CampaignStatus(plan.output_dir).read()
+    return {name for name, entry in states.items() if entry.get("state") == "done"}
 
 
 def _launch_campaign(args: argparse.Namespace) -> int:
@@ -324,7 +396,7 @@ GROUPS: dict[str, tuple[str, list[Command]]] = {
     "convert": ("convert checkpoints between Hugging Face and Megatron, verified by logits", _convert_commands()),
     "data": ("inspect datasets and benchmarks", [
         Command("inspect", "print counts, fields, examples and bad-row counts of a dataset",
-                _data_inspect_arguments, _data_inspect),
+                _data_inspect_arguments, _data_inspect, _data_inspect_inputs),
     ]),
     "config": ("print resolved configs and their documentation", [
         Command("show", "print a stage's resolved config (defaults ← YAML ← overrides)",
@@ -369,14 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
     for command in _top_level_commands():
         command_parser = groups.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(command_parser)
-        command_parser.set_defaults(handler=command.run, command_parser=command_parser)
+        command_parser.set_defaults(handler=command.run, inputs=command.inputs, command_parser=command_parser)
     for group_name, (group_help, commands) in GROUPS.items():
         group_parser = groups.add_parser(group_name, help=group_help, description=group_help)
         sub = group_parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
         for command in commands:
             command_parser = sub.add_parser(command.name, help=command.help, description=command.help)
             command.add_arguments(command_parser)
-            command_parser.set_defaults(handler=command.run, command_parser=command_parser)
+            command_parser.set_defaults(handler=command.run, inputs=command.inputs, command_parser=command_parser)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""What every command-line entry point shares: a user error is one ``error:`` line and exit 2."""
+"""What every command-line entry point shares: inputs checked first; a user error is ``error:`` lines and exit 2."""
 
 from __future__ import annotations
 
@@ -9,12 +9,21 @@ from pipeline.errors import EXIT_USER_ERROR, UserError
 
 
 def run_handler(args: argparse.Namespace) -> int:
-    """Call the parsed command's ``handler``; a ``UserError`` or missing file prints ``error: ...`` and returns 2.
+    """Check the command's inputs (``args.inputs``, see ``pipeline.stages.preflight``), then call its ``handler``.
 
-    Anything else is a bug and keeps its traceback.
+    A ``UserError`` or a missing file prints ``error: ...`` (one line per input at fault)
+    and returns 2, before anything was trained or generated when the preflight caught
+    it. Anything else is a bug and keeps its traceback.
     """
     try:
+        inputs = getattr(args, "inputs", None)
+        if inputs is not None:
+            from pipeline.stages.preflight import preflight
+
+            for note in preflight(inputs(args)):
+                print(note, flush=True)
         return args.handler(args)
     except (UserError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        for line in getattr(error, "problems", None) or [str(error)]:
+            print(f"error: {line}", file=sys.stderr)
         return EXIT_USER_ERROR

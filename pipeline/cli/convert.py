@@ -98,6 +98,19 @@ def run_megatron_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def megatron_to_hf_inputs(args: argparse.Namespace) -> object:
+    """What `pipeline.stages.preflight` checks before the export loads anything."""
+    from pipeline.stages.preflight import CheckpointInputs
+
+    return CheckpointInputs(checkpoint=args.ckpt, out=args.out, tokenizer=args.tokenizer, step=args.step)
+
+
+def hf_to_megatron_inputs(args: argparse.Namespace) -> object:
+    from pipeline.stages.preflight import HfFolderInputs
+
+    return HfFolderInputs(hf=args.hf, out=args.out)
+
+
 def add_hf_to_megatron_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf", required=True, metavar="DIR", help="a Hugging Face model folder (safetensors)")
     parser.add_argument("--out", required=True, metavar="DIR", help="the run directory to create")
@@ -129,15 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert checkpoints between Hugging Face and winnow's megatron format, verified by logits.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, help_text, add_arguments, run in (
+    for name, help_text, add_arguments, run, inputs in (
         ("hf-to-megatron", "HF folder -> winnow run directory (step_00000000, weights only)",
-         add_hf_to_megatron_arguments, run_hf_to_megatron),
+         add_hf_to_megatron_arguments, run_hf_to_megatron, hf_to_megatron_inputs),
         ("megatron-to-hf", "winnow checkpoint -> HF folder that transformers and SGLang load",
-         add_megatron_to_hf_arguments, run_megatron_to_hf),
+         add_megatron_to_hf_arguments, run_megatron_to_hf, megatron_to_hf_inputs),
     ):
         command = commands.add_parser(name, help=help_text, description=help_text)
         add_arguments(command)
-        command.set_defaults(handler=run)
+        command.set_defaults(handler=run, inputs=inputs)
     return parser
 
 

@@ -112,6 +112,13 @@ def format_stats_summary(summary: dict[str, float]) -> str:
     )
 
 
+def stats_show_inputs(args: argparse.Namespace) -> object:
+    """What `pipeline.stages.preflight` checks first: RUN holds a readable statistics store."""
+    from pipeline.stages.preflight import StatsInputs
+
+    return StatsInputs(run=args.run, stats_file=STATS_FILE_NAME)
+
+
 def run_stats_show(args: argparse.Namespace) -> int:
     path = resolve_stats_path(args.run)
     store = PromptStatsStore.from_parquet(path)

@@ -30,6 +30,7 @@ import torch
 from pipeline import configlib
 from pipeline.config import BootstrapConfig
 from pipeline.data import Prompt, load_prompts, render_prompt
+from pipeline.io import resolve_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def run_bootstrap(cfg: BootstrapConfig, *, context=None) -> BootstrapResult:
     from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.trainer.losses import CrossEntropyLoss
 
-    directory = Path(cfg.cache_dir) / config_hash(cfg)
+    directory = resolve_cache_dir(cfg.cache_dir) / config_hash(cfg)  # relative: under the one cache root
     summary_path = directory / "summary.json"
     if summary_path.is_file():
         return BootstrapResult(directory, directory / "tokenizer", directory / "checkpoints", True,
