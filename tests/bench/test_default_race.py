@@ -49,10 +49,11 @@ def test_target_is_the_best_baseline_and_cost_includes_curation():
     assert "[8, 8] → [6, 10]" in table
 
 
-def test_race_arguments_need_a_baseline():
+def test_race_arguments():
     assert default_race.parse_args([]).methods == list(default_race.METHODS)
+    assert default_race.parse_args(["--methods", "depo_d3s_cw_raw", "--seeds", "2"]).seeds == 2
     with pytest.raises(SystemExit):
-        default_race.parse_args(["--methods", "depo_d3s_cw_raw"])
+        default_race.parse_args(["--methods", "ppo"])
 
 
 def test_candidates_skip_curation_and_filter_online():
