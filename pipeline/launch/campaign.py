@@ -339,7 +339,9 @@ class CampaignStatus:
             record = stages.get(stage.name, {})
             lines.append(f"{stage.name:<22} {record.get('state', 'pending'):<8} {record.get('attempts', 0):>8}  "
                          f"{record.get('finished') or ''}")
-        return "\n".join(lines)
+        from pipeline.launch.ledger import read_ledger  # the tokens each stage has spent so far
+
+        return "\n".join([*lines, "", read_ledger(plan).format()])
 
 
 # ================================================================ running one stage

@@ -18,8 +18,9 @@ Outputs under ``output_dir``:
     estimator/         model.safetensors, estimator.json, tokenizer files (``DifficultyEstimator.load``)
     calibration.json   held-out and train calibration (Brier, Spearman, filter precision/recall,
                        reliability bins), per-epoch history, split sizes, config, package versions,
-                       timings — the stage's manifest, written last: a rerun with the same config
-                       finds it and returns without retraining
+                       timings, tokens read (``num_encoded_tokens``: train, inference) — the
+                       stage's manifest, written last: a rerun with the same config finds it
+                       and returns without retraining
     calibration.png    reliability diagram: mean observed vs mean predicted pass rate per bin
 """
 
@@ -124,7 +125,6 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
                                w_rank=cfg.w_rank, margin=cfg.margin)
     out(f"[2/3] train the {cfg.encoder} estimator: {cfg.epochs} epoch(s), batch {cfg.batch_size}, lr {cfg.lr}")
     holdout_texts = [texts[i] for i in holdout_index]
-    holdout_rates = pass_rates[holdout_index]
 
     def evaluate(index: np.ndarray, eval_texts: list[str]) -> dict[str, Any]:
         return trainer.calibration(eval_texts, pass_rates[index], group_size=group_size,
@@ -164,6 +164,9 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
         "versions": package_versions(),
         "timings": {"train_s": train_seconds, "total_s": time.perf_counter() - started},
         "num_updates": trainer.num_updates,
+        # What the estimator read (padding excluded): its updates, and the scoring of prompts for
+        # the per-epoch and final calibrations. It generates nothing. The campaign ledger sums these.
+        "num_encoded_tokens": dict(model.num_encoded_tokens),
     }
     atomic_write_text(output_dir / CALIBRATION_FILE, json.dumps(report, indent=1) + "\n")
     _plot_reliability(output_dir / PLOT_FILE, holdout=holdout, train=train)

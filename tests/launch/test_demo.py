@@ -10,8 +10,8 @@ from tests.distributed_utils import run_distributed
 def _demo_worker(rank, world_size, tmp):
     from pipeline import configlib
     from pipeline.config import DemoConfig
-    from pipeline.parallel.context import ParallelContext
     from pipeline.launch.demo import run_demo
+    from pipeline.parallel.context import ParallelContext
     from recipes.campaigns import demo_campaign
 
     cfg = configlib.load(DemoConfig, overrides=[
@@ -34,12 +34,31 @@ def test_demo_runs_the_campaign_and_reports(tmp_path):
                   "export-default"):
         assert f"] {stage} (" in text, text
     assert "| benchmark | metric | grpo | default | default − grpo |" in text
-    assert "| run | rollout tokens | tokens with gradient | prompts filtered | RL wall time |" in text
+    assert ("| run | paid before RL | rollout tokens | evaluation tokens | campaign tokens | tokens with gradient | "
+            "zero-variance groups | prompts filtered | RL wall time |") in text
+    assert "base policy: held-out pass@1" in text and "tiny demo" in text
     assert "reloaded with transformers" in text
     assert isinstance(result["answer"], str)
     assert set(result["runs"]) == {"grpo", "default"}
     assert all(run["tokens_generated"] > 0 for run in result["runs"].values())
+    # Both variants paid for the curation; the default (DEPO) also for the estimator.
+    runs = result["runs"]
+    assert runs["default"]["tokens_before_rl"] > runs["grpo"]["tokens_before_rl"] > 0
+    assert all(run["campaign_tokens"] > run["tokens_before_rl"] + run["tokens_generated"] for run in runs.values())
     gsm8k = result["results"]["default"]["benchmarks"]["gsm8k"]
     assert gsm8k["num_problems"] + gsm8k["num_too_long"] == 4  # honestly counted, not silently dropped
     assert (tmp_path / "demo" / "pass_at_k.png").is_file()
     assert sum("done before, skipped" in line for line in again) == 9
+
+
+def test_base_policy_line_says_plainly_when_outside_the_band():
+    from pipeline.launch.demo import BASE_PASS_AT_1_BAND, describe_base_policy
+
+    low, high = BASE_PASS_AT_1_BAND
+    inside = describe_base_policy((low + high) / 2, eval_set="arith", tiny=False)
+    assert "inside the expected" in inside and "OUTSIDE" not in inside
+    for score in (low - 0.01, high + 0.01):
+        assert "OUTSIDE the expected" in describe_base_policy(score, eval_set="arith", tiny=False)
+        assert "not comparable" in describe_base_policy(score, eval_set="arith", tiny=False)
+    assert "OUTSIDE" not in describe_base_policy(0.0, eval_set="arith", tiny=True)
+    assert "no held-out score" in describe_base_policy(None, eval_set="arith", tiny=False)

@@ -99,6 +99,12 @@ def test_stage_end_to_end_on_a_fake_curation(tmp_path):
     assert np.mean((predicted - held_rates) ** 2) == pytest.approx(report["holdout"]["brier"], rel=1e-5)
     assert "torch" in report["versions"]
     assert all(row["train_loss"] > 0 for row in report["history"])
+    # Tokens read, padding excluded: every train text once per epoch; the held-out texts at each
+    # epoch's calibration and the final one, the train texts at the final one.
+    held = holdout_mask(ids, fraction=0.25)
+    lengths = loaded.tokenizer(texts, max_length=24)[1].sum(dim=1).numpy()  # (P,)
+    train_tokens, held_tokens = int(lengths[~held].sum()), int(lengths[held].sum())
+    assert report["num_encoded_tokens"] == {"train": 3 * train_tokens, "inference": 4 * held_tokens + train_tokens}
 
     # A rerun with the same config finds the finished outputs and does not retrain.
     weights = (out / "estimator" / "model.safetensors").stat().st_mtime_ns
