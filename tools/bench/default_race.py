@@ -25,8 +25,8 @@ estimator's encoded tokens during RL, which the RL metrics do not record. The ta
 best baseline's final held-out pass@1 (mean over seeds); each method's cost to target is read
 at the first evaluation point reaching it (no interpolation), per seed, and compared with
 the best baseline's cost of the same seed. Held-out set: ``--heldout-per-level`` test problems
-of each difficulty 2-5, sampled as in ``tools.bench.race`` (same sampling seed everywhere, so
-curves are paired).
+of each difficulty 3-5 (difficulty 2's test split holds only ~14 distinct problems), sampled
+as in ``tools.bench.race`` (same sampling seed everywhere, so curves are paired).
 
 A pass over the pool is ``4 · pool_per_level`` prompts; at 16 prompts a step, the default 100
 prompts per level give a pass every 25 steps, so E3's budget widening (after each pass,
@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 LEVELS = (2, 3, 4, 5)
+HELDOUT_LEVELS = (3, 4, 5)  # difficulty 2's test split holds only ~14 distinct problems
 BASELINES = ("grpo_raw", "grpo_curated")
 
 
@@ -115,8 +116,8 @@ def load_mixed_heldout(*, per_level: int) -> list:
     from pipeline.data import load_prompts
 
     prompts = []
-    for level in LEVELS:
-        loaded, _ = load_prompts(f"arith?difficulty={level}&size=1000", split="test", limit=per_level)
+    for level in HELDOUT_LEVELS:
+        loaded, _ = load_prompts(f"arith?difficulty={level}&size={per_level}", split="test")
         prompts.extend(loaded)
     return prompts
 
@@ -209,7 +210,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100, help="RL steps per run")
     parser.add_argument("--eval-every", type=int, default=25, help="steps between held-out evaluations")
     parser.add_argument("--pool-per-level", type=int, default=100, help="train problems per difficulty 2-5")
-    parser.add_argument("--heldout-per-level", type=int, default=100, help="held-out problems per difficulty 2-5")
+    parser.add_argument("--heldout-per-level", type=int, default=100, help="held-out problems per difficulty 3-5")
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--out", default="runs/bench/default_race", help="output directory")
@@ -244,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                              f"curation_dir={out / 'curate'}"]
             settings = RaceSettings(out=out, steps=args.steps,
                                     eval_every=args.steps if method.evaluate_at_end_only else args.eval_every,
-                                    eval_set=f"arith difficulties {LEVELS}, {args.heldout_per_level} each (test)",
+                                    eval_set=f"arith {HELDOUT_LEVELS}, {args.heldout_per_level} each (test)",
                                     eval_prompts=len(heldout), eval_samples=args.eval_samples,
                                     overrides=tuple(overrides))
             for seed in range(args.seeds):
