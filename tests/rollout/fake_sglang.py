@@ -17,6 +17,14 @@ without a begin, with the scheduler's messages (HTTP 400, ``success: false``).
 Tokens depend only on (prompt ids, ``sampling_seed``, weight version), so a test can
 recompute what any sample must be (``expected_sample``) whichever server produced it.
 
+Distributed weight updates are played for real: ``/init_weights_update_group`` joins the
+trainer's update group (gloo) at the given rank, as SGLang's scheduler does, and
+``/update_weights_from_distributed`` receives the announced tensors by broadcast from group
+rank 0 into a name → tensor store, one update at a time (SGLang's model-update lock). After
+every ``/end_weight_update`` the store is written to ``--weights-out`` (safetensors), so a test
+can compare what the server holds with the trainer's weights. ``--die-on-bucket N``:
+``os._exit`` when the N-th distributed update arrives, before it receives anything.
+
 Modes: ``ok``; ``http500`` (every /generate → 500); ``http400`` (every /generate → 400,
 as SGLang answers a request it refuses); ``malformed`` (200 with a body
 that is not JSON); ``hang_generate`` (/generate never answers, /health does);
@@ -74,6 +82,47 @@ class _State:
         self.num_generate = 0
         self.session_open = False
         self.log = open(args.log, "a") if args.log else None
+        self.update_lock = threading.Lock()  # SGLang applies one weight update at a time
+        self.groups: dict[str, Any] = {}  # group name → UpdateGroup
+        self.weights: dict[str, Any] = {}  # name → tensor received by broadcast
+        self.num_buckets = 0
+
+    def join_group(self, request: Any) -> tuple[bool, str]:
+        from pipeline.parallel.weight_transfer import UpdateGroup
+
+        try:
+            self.groups[request.group_name] = UpdateGroup.join(
+                master_address=request.master_address, master_port=request.master_port, rank=request.rank_offset,
+                world_size=request.world_size, name=request.group_name, backend=request.backend,
+                timeout_s=self.args.group_timeout_s)
+        except (RuntimeError, ValueError) as error:
+            return False, f"fake: joining {request.group_name} failed: {error}"
+        return True, "Succeeded to initialize custom process group."
+
+    def receive(self, request: Any) -> tuple[bool, str]:
+        import torch
+
+        group = self.groups.get(request.group_name)
+        if group is None:
+            return False, f"fake: no update group {request.group_name!r}"
+        tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in zip(request.dtypes, request.shapes)]
+        try:
+            group.broadcast(tensors)
+        except RuntimeError as error:
+            self.groups.pop(request.group_name).destroy()
+            return False, f"fake: broadcast in {request.group_name} failed: {error}"
+        self.weights.update(zip(request.names, tensors))
+        return True, "Succeeded to update parameter online."
+
+    def dump_weights(self) -> None:
+        if not self.args.weights_out or not self.weights:
+            return
+        from safetensors.torch import save_file
+
+        target = Path(self.args.weights_out)
+        tmp = target.with_suffix(".tmp")
+        save_file(dict(self.weights), str(tmp))
+        tmp.rename(target)  # atomic: the test never reads half a file
 
     def record(self, path: str, body: Any) -> None:
         if self.log is not None:
@@ -224,11 +273,28 @@ class _Handler(BaseHTTPRequestHandler):
                                                                   "call begin_weight_update() first"})
                 else:
                     state.session_open = False
+                    with state.update_lock:
+                        state.dump_weights()
                     self._send(200, {"success": True, "message": "Success"})
             elif self.path in _SESSION_ONLY and not state.session_open:
                 self._send(400, {"success": False, "message": _SESSION_ONLY[self.path]})
             elif state.args.fail_updates:
                 self._send(400, {"success": False, "message": "fake: refusing the update"})
+            elif self.path == "/init_weights_update_group":
+                with state.update_lock:
+                    success, message = state.join_group(decoded)
+                self._send(200, {"success": success, "message": message})
+            elif self.path == "/update_weights_from_distributed":
+                with state.lock:
+                    state.num_buckets += 1
+                    count = state.num_buckets
+                if count == state.args.die_on_bucket:
+                    os._exit(3)
+                with state.update_lock:
+                    success, message = state.receive(decoded)
+                if success and decoded.weight_version is not None:
+                    state.weight_version = decoded.weight_version
+                self._send(200, {"success": success, "message": message})
             else:
                 if getattr(decoded, "weight_version", None) is not None:
                     state.weight_version = decoded.weight_version
@@ -246,6 +312,9 @@ def main() -> None:
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--fail-updates", action="store_true")
     parser.add_argument("--log", default="")
+    parser.add_argument("--die-on-bucket", type=int, default=0)
+    parser.add_argument("--group-timeout-s", type=float, default=10.0)
+    parser.add_argument("--weights-out", default="")
     args = parser.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.daemon_threads = True
@@ -260,7 +329,9 @@ class FakeServer:
     """A fake SGLang server in a subprocess; ``url`` is set by ``wait_ready``."""
 
     def __init__(self, tmp_path: Path, name: str, *, mode: str = "ok", delay_s: float = 0.0, die_after: int = 0,
-                 weight_version: str = "default", fail_updates: bool = False) -> None:
+                 weight_version: str = "default", fail_updates: bool = False, die_on_bucket: int = 0,
+                 group_timeout_s: float = 10.0) -> None:
+        self.weights_path = tmp_path / f"{name}.weights.safetensors"
         self.port_file = tmp_path / f"{name}.port"
         self.log_path = tmp_path / f"{name}.jsonl"
         command = [
@@ -271,6 +342,9 @@ class FakeServer:
             "--die-after", str(die_after),
             "--weight-version", weight_version,
             "--log", str(self.log_path),
+            "--die-on-bucket", str(die_on_bucket),
+            "--group-timeout-s", str(group_timeout_s),
+            "--weights-out", str(self.weights_path),
         ] + (["--fail-updates"] if fail_updates else [])
         self.name = name
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
@@ -287,6 +361,12 @@ class FakeServer:
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{int(self.port_file.read_text())}"
         return self
+
+    def weights(self) -> dict[str, Any]:
+        """What the server received by broadcast, as of its last ``/end_weight_update``."""
+        from safetensors.torch import load_file
+
+        return load_file(str(self.weights_path))
 
     def generate_bodies(self) -> list[dict[str, Any]]:
         return [r["body"] for r in self.requests() if r["path"] == "/generate"]

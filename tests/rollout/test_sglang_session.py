@@ -7,11 +7,15 @@ the strict mirrors of ``BeginWeightUpdateReqInput`` / ``EndWeightUpdateReqInput`
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
+from pipeline.parallel.rendezvous import free_port
+from pipeline.parallel.weight_transfer import UpdateGroup
 from pipeline.rollout import sglang_api as api
 from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
 from pipeline.rollout.types import RolloutError
@@ -51,14 +55,27 @@ def test_tensor_and_distributed_updates_run_inside_a_session(tmp_path: Path) -> 
         engine = SGLangEngine.attach([s.url for s in servers], config=CONFIG)
         engine.update_weights_from_tensor([b"\x80\x04rank0"], version=1)
         engine.update_weights_from_disk("/exports/step_2", version=2)  # no session needed
-        engine.update_weights_from_distributed(["model.norm.weight"], dtypes=["bfloat16"], shapes=[[8]], version=3)
+        # The servers join the trainer's gloo group and receive the announced tensor by broadcast.
+        port, norm = free_port(), torch.arange(8, dtype=torch.bfloat16)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            joined = pool.submit(engine.init_weights_update_group, master_address="127.0.0.1", master_port=port,
+                                 world_size=3, ranks_per_server=1, backend="gloo")
+            group = UpdateGroup.join(master_address="127.0.0.1", master_port=port, rank=0, world_size=3,
+                                     name="weight_update_group", backend="gloo", timeout_s=30.0)
+            joined.result()
+            updated = pool.submit(engine.update_weights_from_distributed, ["model.norm.weight"],
+                                  dtypes=["bfloat16"], shapes=[[8]], version=3)
+            group.broadcast([norm])
+            updated.result()
+        group.destroy()
         assert engine.weight_version == 3 and len(engine.live_servers) == 2
         for server in servers:
             assert _admin_paths(server) == [
                 "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update", "/flush_cache",
-                "/update_weights_from_disk", "/flush_cache",
+                "/update_weights_from_disk", "/flush_cache", "/init_weights_update_group",
                 "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update", "/flush_cache",
             ]
+            assert torch.equal(server.weights()["model.norm.weight"], norm)
     finally:
         for server in servers:
             server.kill()

@@ -56,11 +56,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from pipeline.config import OptimConfig, TrainerConfig
+    from pipeline.config import OptimConfig, RolloutConfig, TrainerConfig
     from pipeline.models.spec import ModelSpec
     from pipeline.parallel.rendezvous import initialize_process_context
     from pipeline.rollout.local import LocalEngine
-    from pipeline.rollout.weight_sync import build_hf_model, sync_actor_to_engine
+    from pipeline.rollout.weight_sync import MB, LocalSyncedEngine, build_hf_model, sync_actor_to_engine
     from pipeline.trainer.actor import Actor
     from pipeline.trainer.batch import TrainBatch
     from pipeline.trainer.losses import CrossEntropyLoss
@@ -115,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     cpu_fastest = {name: min(values) for name, values in cpu.items()}
     megatron, hf, hf_fused = medians["one chunk"], medians["hf"], medians["hf fused"]
 
-    engine = LocalEngine(build_hf_model(spec), show_progress=False)
+    engine = LocalSyncedEngine(LocalEngine(build_hf_model(spec), show_progress=False),
+                               bucket_bytes=RolloutConfig().sync_bucket_mb * MB)
     sync_times = []
     for version in range(1, args.repeats + 1):
         start = time.perf_counter()
