@@ -132,7 +132,9 @@ def h100_campaign(*, name: str, model_dir: str, output_dir: str | Path, rl: RLCo
     log-probs on its GPU) and the servers load the policy it scores; a requeued job resumes
     from the finished shards.
     """
-    chosen = dataclasses.replace(rl, policy=rl.policy or model_dir)
+    # Trainer and rollout nodes share the job's network: weights reach the servers by broadcast.
+    sync = dataclasses.replace(rl.rollout, sync="distributed", server_tensor_parallel=rollout.tensor_parallel)
+    chosen = dataclasses.replace(rl, policy=rl.policy or model_dir, rollout=sync)
     baseline = dataclasses.replace(chosen, algorithm=AlgorithmConfig())
     trainer = Resources(nodes=nodes, ranks_per_node=8, gpus_per_node=8, rollout=rollout, time_limit=time_limit,
                         requeues=50)
