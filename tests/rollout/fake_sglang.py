@@ -17,12 +17,13 @@ without a begin, with the scheduler's messages (HTTP 400, ``success: false``).
 Tokens depend only on (prompt ids, ``sampling_seed``, weight version), so a test can
 recompute what any sample must be (``expected_sample``) whichever server produced it.
 
-Distributed weight updates are played for real: ``/init_weights_update_group`` joins the
+With ``--join-groups``, distributed weight updates are played for real: ``/init_weights_update_group`` joins the
 trainer's update group (gloo) at the given rank, as SGLang's scheduler does, and
 ``/update_weights_from_distributed`` receives the announced tensors by broadcast from group
 rank 0 into a name → tensor store, one update at a time (SGLang's model-update lock). After
 every ``/end_weight_update`` the store is written to ``--weights-out`` (safetensors), so a test
-can compare what the server holds with the trainer's weights. ``--die-on-bucket N``:
+can compare what the server holds with the trainer's weights (without the flag both requests
+are validated and answered, nothing is received). ``--die-on-bucket N``:
 ``os._exit`` when the N-th distributed update arrives, before it receives anything.
 
 Modes: ``ok``; ``http500`` (every /generate → 500); ``http400`` (every /generate → 400,
@@ -280,11 +281,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(400, {"success": False, "message": _SESSION_ONLY[self.path]})
             elif state.args.fail_updates:
                 self._send(400, {"success": False, "message": "fake: refusing the update"})
-            elif self.path == "/init_weights_update_group":
+            elif self.path == "/init_weights_update_group" and state.args.join_groups:
                 with state.update_lock:
                     success, message = state.join_group(decoded)
                 self._send(200, {"success": success, "message": message})
-            elif self.path == "/update_weights_from_distributed":
+            elif self.path == "/update_weights_from_distributed" and state.args.join_groups:
                 with state.lock:
                     state.num_buckets += 1
                     count = state.num_buckets
@@ -312,6 +313,7 @@ def main() -> None:
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--fail-updates", action="store_true")
     parser.add_argument("--log", default="")
+    parser.add_argument("--join-groups", action="store_true")
     parser.add_argument("--die-on-bucket", type=int, default=0)
     parser.add_argument("--group-timeout-s", type=float, default=10.0)
     parser.add_argument("--weights-out", default="")
@@ -329,8 +331,8 @@ class FakeServer:
     """A fake SGLang server in a subprocess; ``url`` is set by ``wait_ready``."""
 
     def __init__(self, tmp_path: Path, name: str, *, mode: str = "ok", delay_s: float = 0.0, die_after: int = 0,
-                 weight_version: str = "default", fail_updates: bool = False, die_on_bucket: int = 0,
-                 group_timeout_s: float = 10.0) -> None:
+                 weight_version: str = "default", fail_updates: bool = False, join_groups: bool = False,
+                 die_on_bucket: int = 0, group_timeout_s: float = 10.0) -> None:
         self.weights_path = tmp_path / f"{name}.weights.safetensors"
         self.port_file = tmp_path / f"{name}.port"
         self.log_path = tmp_path / f"{name}.jsonl"
@@ -345,7 +347,7 @@ class FakeServer:
             "--die-on-bucket", str(die_on_bucket),
             "--group-timeout-s", str(group_timeout_s),
             "--weights-out", str(self.weights_path),
-        ] + (["--fail-updates"] if fail_updates else [])
+        ] + (["--fail-updates"] if fail_updates else []) + (["--join-groups"] if join_groups else [])
         self.name = name
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
         self.url = ""

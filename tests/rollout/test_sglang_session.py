@@ -50,7 +50,7 @@ def test_the_fake_server_enforces_the_session(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_tensor_and_distributed_updates_run_inside_a_session(tmp_path: Path) -> None:
-    servers = start_fake_servers(tmp_path, [{}, {}])
+    servers = start_fake_servers(tmp_path, [{"join_groups": True}, {"join_groups": True}])
     try:
         engine = SGLangEngine.attach([s.url for s in servers], config=CONFIG)
         engine.update_weights_from_tensor([b"\x80\x04rank0"], version=1)

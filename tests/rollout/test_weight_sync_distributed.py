@@ -34,8 +34,8 @@ def _worker(rank, world_size, tmp_dir):
     num_syncs = 3
     # The second server dies when the second bucket of sync num_syncs + 1 is announced to it.
     die_on = num_syncs * num_buckets + 2
-    servers = start_fake_servers(Path(tmp_dir), [dict(group_timeout_s=3.0),
-                                                 dict(group_timeout_s=3.0, die_on_bucket=die_on)])
+    servers = start_fake_servers(Path(tmp_dir), [dict(join_groups=True, group_timeout_s=3.0),
+                                                 dict(join_groups=True, group_timeout_s=3.0, die_on_bucket=die_on)])
     try:
         client = SGLangEngine.attach([s.url for s in servers],
                                      config=SGLangClientConfig(admin_timeout_s=60.0, show_progress=False))
