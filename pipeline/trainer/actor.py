@@ -295,11 +295,16 @@ class Actor:
             return self.trainer.logprob_chunk_size
         return max(2, self.trainer.logprob_buffer_mib * 2**20 // (4 * vocab_local))
 
-    def _micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], int, int]:
-        """Split by token count; with pipeline stages, every micro-batch has one shape."""
+    def _micro_batches(self, batch: TrainBatch, *, only: list[int] | None = None) -> tuple[list[TrainBatch], int, int]:
+        """Split by token count; with pipeline stages, every micro-batch has one shape.
+
+        ``only`` keeps those micro-batches of the split (by position), each built exactly as
+        in the full split: same rows, same padded length.
+        """
         lengths = batch.seq_lengths
         if self.context.pipeline_parallel == 1:
             plans = plan_micro_batches(lengths, max_tokens=self.trainer.micro_batch_tokens)
+            plans = plans if only is None else [plans[i] for i in only]
             micros = [self._place(batch.select(rows, length=int(lengths[rows].max()))) for rows in plans]
             return micros, micros[0].tokens.shape[1], micros[0].batch_size
         # p2p buffers are allocated from (seq_length, micro_batch_size): pad to the batch's
@@ -309,15 +314,16 @@ class Actor:
         num_micro = math.ceil(batch.batch_size / rows)
         padded = _pad_rows(batch, num_micro * rows)
         micros = [self._place(padded.select(torch.arange(i * rows, (i + 1) * rows), length=length))
-                  for i in range(num_micro)]
+                  for i in (range(num_micro) if only is None else only)]
         return micros, micros[0].tokens.shape[1], rows
 
     def _place(self, micro: TrainBatch) -> TrainBatch:
         """A micro-batch as the model consumes it: FP8-aligned (a no-op without FP8), on this rank's device."""
         return pad_to_token_multiple(micro, multiple=self.token_multiple).to(self.device)
 
-    def _run(self, batch: TrainBatch, *, loss: TokenLoss | None, temperature: float, forward_only: bool):
-        micros, seq_length, micro_rows = self._micro_batches(batch)
+    def _run(self, batch: TrainBatch, *, loss: TokenLoss | None, temperature: float, forward_only: bool,
+             only: list[int] | None = None):
+        micros, seq_length, micro_rows = self._micro_batches(batch, only=only)
         normalizer = None
         if loss is not None:
             local = torch.stack([loss.denominator(m) for m in micros]).sum()
@@ -379,21 +385,62 @@ class Actor:
         return self.compute_token_stats(batch, temperature=temperature)[0]
 
     def compute_token_stats(self, batch: TrainBatch, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) log-probs and entropies of the response tokens (0 elsewhere), on every stage."""
-        self.model.eval()
-        with torch.no_grad():
-            micros, _, collected = self._run(batch, loss=None, temperature=temperature, forward_only=True)
-        self.model.train(self.trainable)
+        """(B, T) log-probs and entropies of the response tokens (0 elsewhere), on every rank.
+
+        The batch is split into micro-batches exactly as one rank would split it, and each
+        data-parallel rank runs only its share of them (``data_parallel_micro_batches``); a
+        sum over the DP group, in which every element has one non-zero contributor, then
+        gives every rank the whole batch's values. Each value is therefore bit-identical to
+        the one a single rank computes for the whole batch, and a step's π_old and reference
+        passes cost each rank 1/DP of the batch instead of all of it.
+
+        Why micro-batches of the whole batch, not the rows ``data_parallel_share`` trains: a
+        row's log-prob depends in its last bits on the rows it shares a micro-batch with
+        (GEMM blocking changes with the micro-batch's shape; 5e-7 measured on CPU), so
+        scoring the training shares would change the values; and the RL step reads every
+        row's statistics on every rank (token weights, the rollout mismatch, the entropy
+        metric). Memory: the ``(2, B, T)`` float32 result, as before; communication: one
+        all-reduce of it over the DP group per call, 2 x 512 x 8,192 x 4 B = 32 MiB for a
+        7B step of 512 rows of 8,192 tokens on 2 x 8 H100.
+        """
+        plans = self._micro_rows(batch)
+        mine = self.data_parallel_micro_batches(batch)
         length = batch.tokens.shape[1]
         stats = torch.zeros((2, batch.batch_size, length), dtype=torch.float32, device=self.device)  # (2, B, T)
+        if mine:  # every rank of a model replica (TP, PP) has the same share, so all skip together
+            self.model.eval()
+            with torch.no_grad():
+                _, _, collected = self._run(batch, loss=None, temperature=temperature, forward_only=True, only=mine)
+            self.model.train(self.trainable)
+            if self.context.is_pipeline_last:
+                for index, (logprobs, entropy) in zip(mine, collected):
+                    rows = plans[index]
+                    width = min(logprobs.shape[1], length)  # FP8 padding may run past the batch
+                    stats[0, rows, :width] = logprobs[: len(rows), :width].float()
+                    stats[1, rows, :width] = entropy[: len(rows), :width].float()
         if self.context.is_pipeline_last:
-            for rows, (logprobs, entropy) in zip(self._micro_rows(batch), collected):
-                width = min(logprobs.shape[1], length)  # FP8 padding may run past the batch
-                stats[0, rows, :width] = logprobs[: len(rows), :width].float()
-                stats[1, rows, :width] = entropy[: len(rows), :width].float()
             stats = torch.where(batch.response_mask.to(self.device), stats, 0.0)
-        stats = self.context.broadcast_from_last_stage(stats).to(batch.tokens.device)
+        stats = self.context.broadcast_from_last_stage(stats)
+        if self.context.data_parallel > 1:
+            stats = self.context.dp_sum(stats)
+        stats = stats.to(batch.tokens.device)
         return stats[0], stats[1]
+
+    def data_parallel_micro_batches(self, batch: TrainBatch) -> list[int]:
+        """Positions of the micro-batches (of the one-rank split of ``batch``) this DP rank scores.
+
+        Balanced by padded token count with the rows' own rule (``balance_rows``, LPT), from the
+        batch alone, so the ranks of one replica agree without communicating. A rank may get
+        none when the batch has fewer micro-batches than DP ranks.
+        """
+        plans = self._micro_rows(batch)
+        if self.context.data_parallel == 1:
+            return list(range(len(plans)))
+        lengths = batch.seq_lengths
+        padded_length = int(lengths.max())
+        costs = torch.tensor([len(rows) * (int(lengths[rows].max()) if self.context.pipeline_parallel == 1
+                                           else padded_length) for rows in plans], dtype=torch.long)
+        return balance_rows(costs, self.context.data_parallel)[self.context.dp_rank].tolist()
 
     def _micro_rows(self, batch: TrainBatch) -> list[torch.Tensor]:
         """The original row indices of each micro-batch, in ``_micro_batches`` order."""

@@ -60,10 +60,16 @@ def _dp_worker(rank, world_size, tp, weights_path, aggregation, num_steps):
         actor.load_full_state_dict(load_file(weights_path))
     batch = _policy_batch(aggregation == "d3s")
     share = actor.data_parallel_share(batch)
+    # The π_old pass: count the rows this rank's model is fed while it scores the batch.
+    scored = []
+    hook = actor.module.register_forward_pre_hook(lambda module, args: scored.append(int(args[0].shape[0])))
+    logprobs, entropy = actor.compute_token_stats(batch)
+    hook.remove()
     loss = PolicyLoss(grpo_loss, aggregation=aggregation)
     steps = [actor.train_step(batch, loss) for _ in range(num_steps)]
     return {"losses": [s.loss for s in steps], "grad_norms": [s.grad_norm for s in steps],
-            "rows": share.tokens.shape[0], "dp_rank": actor.context.dp_rank, "seed": SEED}
+            "rows": share.tokens.shape[0], "dp_rank": actor.context.dp_rank, "seed": SEED,
+            "scored_rows": sum(scored), "logprobs": logprobs, "entropy": entropy}
 
 
 @pytest.mark.distributed
@@ -74,7 +80,13 @@ def test_dp2_trains_its_own_rows_and_matches_dp1(tmp_path, aggregation):
     pair = run_distributed(_dp_worker, world_size=2, args=(1, path, aggregation, 3))
     assert sorted(outcome["dp_rank"] for outcome in pair) == [0, 1]
     assert sum(outcome["rows"] for outcome in pair) == single["rows"] == 6  # every row once
+    # The π_old pass: each rank scores a part of the batch, together every row once, and every
+    # rank ends with the whole batch's log-probs and entropies, bit for bit DP=1's.
+    assert single["scored_rows"] == 6
+    assert sum(outcome["scored_rows"] for outcome in pair) == 6
+    assert all(0 < outcome["scored_rows"] < 6 for outcome in pair)
     for outcome in pair:
+        assert torch.equal(outcome["logprobs"], single["logprobs"]) and torch.equal(outcome["entropy"], single["entropy"])
         assert outcome["losses"] == pytest.approx(single["losses"], rel=1e-5)
         assert outcome["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-5)
 
@@ -87,7 +99,10 @@ def test_tp2_dp2_matches_dp1(tmp_path):
     quad = run_distributed(_dp_worker, world_size=4, args=(2, path, "d3s", 2))
     assert sorted(outcome["dp_rank"] for outcome in quad) == [0, 0, 1, 1]
     assert sum(outcome["rows"] for outcome in quad if outcome["dp_rank"] >= 0) == 2 * single["rows"]  # 2 TP ranks each
+    assert sum(outcome["scored_rows"] for outcome in quad) == 2 * single["scored_rows"]  # each row once per TP rank
     for outcome in quad:
+        # TP splits the heads' sums, so equal to fp32 rounding rather than bit for bit.
+        torch.testing.assert_close(outcome["logprobs"], single["logprobs"], rtol=1e-5, atol=1e-5)
         assert outcome["losses"] == pytest.approx(single["losses"], rel=1e-5)
         assert outcome["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-5)
 
