@@ -105,8 +105,14 @@ def apply_profile_overrides(profile: SlurmProfile, overrides: ExecutorOverrides)
 # ================================================================ the script every stage runs
 
 
-def stage_script(plan: CampaignPlan, stage: Stage, *, python: str, workdir: str | Path) -> str:
-    """The bash a stage's task runs on every node of its job (see the module docstring)."""
+def stage_script(plan: CampaignPlan, stage: Stage, *, python: str, workdir: str | Path,
+                 signal_lead_s: int | None = None) -> str:
+    """The bash a stage's task runs on every node of its job (see the module docstring).
+
+    ``signal_lead_s``: the rl job's SIGUSR1 lead. torchrun forwards the signal to its ranks and
+    kills them ``--shutdown-timeout`` seconds later (30 s by default), so it gets the whole lead:
+    the ranks finish their step and checkpoint, then exit by themselves.
+    """
     resources = stage.resources
     quote = shlex.quote
     task = [python, "-m", "pipeline.cli.task"]
@@ -133,9 +139,10 @@ def stage_script(plan: CampaignPlan, stage: Stage, *, python: str, workdir: str 
         # Static rendezvous on the job's first node: node ranks are SLURM's node ids.
         rendezvous = ["--nnodes", str(resources.nodes), "--node-rank", '"${SLURM_NODEID:-0}"',
                       "--master-addr", '"$WINNOW_HEAD_NODE"', "--master-port", str(MASTER_PORT)]
+    shutdown = ["--shutdown-timeout", str(signal_lead_s)] if signal_lead_s is not None else []
     torchrun = [
         quote(python), "-m", "torch.distributed.run", *rendezvous,
-        "--nproc-per-node", str(resources.ranks_per_node), "--signals-to-handle", TORCHRUN_SIGNALS,
+        "--nproc-per-node", str(resources.ranks_per_node), "--signals-to-handle", TORCHRUN_SIGNALS, *shutdown,
         *(quote(arg) for arg in [*task[1:], "worker", *where]),
     ]
     lines.append(f"exec {node} -- \\\n  " + " ".join(torchrun))
@@ -301,7 +308,9 @@ def _python_and_workdir(options: LaunchOptions) -> tuple[str, str]:
 
 def _task(plan: CampaignPlan, stage: Stage, options: LaunchOptions):
     python, workdir = _python_and_workdir(options)
-    return run.Script(inline=stage_script(plan, stage, python=python, workdir=workdir))
+    lead_s = (signal_lead_s(stage, profile=options.profile)
+              if options.executor == "slurm" and stage.kind == "rl" else None)
+    return run.Script(inline=stage_script(plan, stage, python=python, workdir=workdir, signal_lead_s=lead_s))
 
 
 def launch_campaign(plan: CampaignPlan, *, options: LaunchOptions, out: Callable[[str], Any] = print

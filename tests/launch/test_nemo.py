@@ -87,7 +87,8 @@ def test_h100_rl_jobs(tmp_path, recipe, trainer_nodes, rollout_nodes, servers_pe
                 f"--master-port 29500 --nproc-per-node 8 --signals-to-handle {TORCHRUN_SIGNALS}")
     if trainer_nodes == 1:
         expected = f"--standalone --nnodes 1 --nproc-per-node 8 --signals-to-handle {TORCHRUN_SIGNALS}"
-    assert torchrun == expected
+    # torchrun gives its ranks the whole SIGUSR1 lead to checkpoint before it kills them.
+    assert torchrun == expected + " --shutdown-timeout 300"
     assert "cd /lustre/winnow" in task
     rollout = plan.stage("rl-default").resources.rollout
     assert (rollout.nodes, rollout.servers_per_node, rollout.tensor_parallel) == (
