@@ -121,10 +121,11 @@ def collective_timeout_minutes(*, parallel: ParallelConfig, rollout: RolloutConf
     request limit; a step's items run at once while they fit the client's 256 calls in flight,
     so set ``batch_timeout_s`` for larger steps), and a weight sync by
     ``WEIGHT_SYNC_ALLOWANCE_S``. The timeout must exceed their sum, else a slow but healthy
-    step kills the job. The local engine has no timeout to derive from: the default applies.
+    step kills the job. Derived, it is never below ``DEFAULT_COLLECTIVE_TIMEOUT_MIN``; the local
+    engine has no timeout to derive from, so the default applies (or any value set).
     ``parallel.collective_timeout_min`` set below the sum is refused, naming the fields.
     """
-    needed, wait = DEFAULT_COLLECTIVE_TIMEOUT_MIN, "the default"
+    needed, wait = 1, ""
     if rollout.engine == "sglang":
         if rollout.batch_timeout_s is not None:
             wait_s, source = rollout.batch_timeout_s, "rollout.batch_timeout_s"
@@ -132,10 +133,10 @@ def collective_timeout_minutes(*, parallel: ParallelConfig, rollout: RolloutConf
             wait_s = rollout.request_timeout_s * rollout.max_attempts
             source = "rollout.request_timeout_s × rollout.max_attempts"
         # Strictly longer than the wait: a whole minute more than its ceiling.
-        needed = max(needed, -(-int(wait_s + WEIGHT_SYNC_ALLOWANCE_S) // 60) + 1)
+        needed = -(-int(wait_s + WEIGHT_SYNC_ALLOWANCE_S) // 60) + 1
         wait = f"a rollout of up to {wait_s:g} s ({source}) plus a {WEIGHT_SYNC_ALLOWANCE_S:g} s weight sync"
     if parallel.collective_timeout_min is None:
-        return needed
+        return max(DEFAULT_COLLECTIVE_TIMEOUT_MIN, needed)
     _require(parallel.collective_timeout_min >= needed, "parallel.collective_timeout_min",
              f"{parallel.collective_timeout_min} min; the other ranks wait for {wait} in a collective: at least "
              f"{needed} min, or null to derive it, or lower the rollout timeouts")

@@ -155,7 +155,8 @@ def test_collective_timeout_covers_the_rollout_wait_plus_a_sync():
         minutes = collective_timeout_minutes(parallel=ParallelConfig(), rollout=rollout)
         wait_s = rollout.batch_timeout_s or rollout.request_timeout_s * rollout.max_attempts
         assert minutes * 60 > wait_s + WEIGHT_SYNC_ALLOWANCE_S
-    # An explicit timeout at least the derived one is kept.
+    # An explicit timeout at least the rollout's wait is kept; with the local engine any is.
+    assert collective_timeout_minutes(parallel=ParallelConfig(collective_timeout_min=5), rollout=RolloutConfig()) == 5
     assert collective_timeout_minutes(parallel=ParallelConfig(collective_timeout_min=300), rollout=_sglang()) == 300
 
 
