@@ -40,10 +40,11 @@ def _no_stdin(monkeypatch):
     monkeypatch.setattr(sys, "stdin", open("/dev/null"))
 
 
-def _tiny_rl_config(tmp: Path, *, steps: int):
+def _tiny_rl_config(tmp: Path, *, steps: int, cache: Path):
+    """A tiny CPU rl run under ``tmp``; ``cache``: the bootstrap cache (the session's: trained once)."""
     cfg = _tiny_rl(grpo_cpu(steps=steps, group_size=4))
     return dataclasses.replace(
-        cfg, bootstrap=bootstrap_cpu(tiny=True, cache_dir=str(tmp / "cache")),
+        cfg, bootstrap=bootstrap_cpu(tiny=True, cache_dir=str(cache)),
         eval_set="arith?difficulty=3&size=20",
         checkpoint=dataclasses.replace(cfg.checkpoint, directory=str(tmp / "rl" / "checkpoints"), every_steps=100),
         logging=dataclasses.replace(cfg.logging, output_dir=str(tmp / "rl")),
@@ -62,9 +63,9 @@ def _trained_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.timeout(START_BUDGET_S + 600)
-def test_two_rank_rl_stage_runs_under_torchrun(launch_profile_file, tmp_path):
+def test_two_rank_rl_stage_runs_under_torchrun(launch_profile_file, bootstrap_cache_dir, tmp_path):
     config = tmp_path / "rl.yaml"
-    config.write_text(configlib.dump_yaml(_tiny_rl_config(tmp_path, steps=3)))
+    config.write_text(configlib.dump_yaml(_tiny_rl_config(tmp_path, steps=3, cache=bootstrap_cache_dir)))
     # Overrides on both sides of the options: the order users type them in.
     code = winnow(["launch", "stage", "rl", "seed=3", "--config", str(config), "--executor", "slurm",
                    "--profile", str(launch_profile_file), "--ranks-per-node", "2", "--output-dir",
@@ -124,11 +125,12 @@ def test_failed_stage_cancels_its_dependents_and_the_launcher_exits_nonzero(laun
 
 
 @pytest.mark.timeout(START_BUDGET_S + 600)
-def test_usr1_checkpoints_requeues_and_resumes(launch_profile, slurm_cluster: DevCluster, tmp_path):
+def test_usr1_checkpoints_requeues_and_resumes(launch_profile, slurm_cluster: DevCluster, bootstrap_cache_dir,
+                                               tmp_path):
     # Enough steps that the signal always lands mid-run: a tiny step takes tens of milliseconds on
     # an idle machine, and six of them could finish between the first logged step and the signal.
     num_steps = 30
-    stage = Stage(name="rl", kind="rl", config=_tiny_rl_config(tmp_path, steps=num_steps),
+    stage = Stage(name="rl", kind="rl", config=_tiny_rl_config(tmp_path, steps=num_steps, cache=bootstrap_cache_dir),
                   resources=Resources(requeues=2))
     plan = CampaignPlan(name="requeue", output_dir=tmp_path, stages=[stage])
     submitted = launch_campaign(plan, options=LaunchOptions(executor="slurm", profile=launch_profile, wait=False))
