@@ -18,10 +18,10 @@ buffers), the engine's model and the actor's weights excluded (they exist before
 paths must leave the engine with the same weights after their first sync, before any
 train step (the SHA-256 of its state dict is compared).
 
-Share of a step: in the TP=1 streamed run the actor also has its optimizer and times a
-``--batch`` × ``--seq``-token train step before each sync; the share is sync / (train step +
-sync) — the RL step also generates, so the share of a whole RL step is smaller.
-``--layouts`` picks a subset (TP=1 is needed for the share).
+Share of a step: a third TP=1 run gives the actor its optimizer and times a ``--batch`` ×
+``--seq``-token train step before each streamed sync; the share is sync / (train step + sync)
+— the RL step also generates, so the share of a whole RL step is smaller. ``--layouts`` picks
+a subset (the share is measured when it includes TP=1).
 
 Writes ``<out>/sync.json`` and ``<out>/sync.png``.
 
@@ -60,7 +60,7 @@ class Job:
     """What every rank of one run needs (picklable: it crosses the spawn)."""
 
     layout: str
-    path: str  # "streamed" or "gather"
+    path: str  # "streamed", "gather" or "step" (streamed syncs after train steps, for the step share)
     spec: dict[str, Any]
     bucket_bytes: int
     repeats: int
@@ -128,8 +128,8 @@ def _run_rank(*, rank: int, job: Job) -> dict[str, Any]:
                                          master_port=job.port, backend="gloo")
     try:
         spec = ModelSpec(**job.spec)
-        # The TP=1 streamed run also times train steps (the step share): only it needs an optimizer.
-        times_steps = job.layout == "TP=1" and job.path == "streamed"
+        # Only the step-share run trains: an optimizer's state would change the others' memory.
+        times_steps = job.path == "step"
         optim = OptimConfig(lr=1e-5) if times_steps else None
         actor = Actor(spec=spec, context=context, optim=optim,
                       trainer=TrainerConfig(micro_batch_tokens=job.batch * job.seq), seed=0)
@@ -224,8 +224,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "fastest_s": min(wall), "peak_mb_per_rank": [max(rank["peak_mb"]) for rank in ranks],
                 "peak_mb": max(max(rank["peak_mb"]) for rank in ranks), "digest": ranks[0]["digest"],
             }
-            if layout == "TP=1" and path == "streamed":
-                step_rank = ranks[0]
+    if "TP=1" in args.layouts:
+        step_rank = _run(job_fields, layout="TP=1", path="step", threads=args.threads, timeout_s=args.timeout_s)[0]
     load_after = os.getloadavg()
     step = statistics.median(step_rank["step_wall_s"]) if step_rank else None
     step_sync = statistics.median(step_rank["wall_s"]) if step_rank else None
