@@ -131,7 +131,7 @@ def test_shape_not_matching_config_is_named(saved, tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"model_type": "mistral"}, r"unsupported model_type 'mistral'; supported: \['llama', 'qwen2'\]"),
+        ({"model_type": "mistral"}, r"unsupported model_type 'mistral'; supported: \['llama', 'qwen2', 'qwen3'\]"),
         ({"architectures": ["Qwen2ForSequenceClassification"]}, r"unsupported architectures \['Qwen2ForSequenceClassification'\]"),
         ({"use_sliding_window": True}, r"use_sliding_window"),
     ],

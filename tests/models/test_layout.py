@@ -91,7 +91,13 @@ def _spec_and_layout(case, *, tp_size: int, pp_size: int):
 
 def _oracle_full_state(spec, hf_state, *, tp_size: int) -> dict[str, torch.Tensor]:
     padded = oracle.padded_vocab_size(spec.vocab_size, make_vocab_size_divisible_by=DIVISIBLE_BY, tp_size=tp_size)
-    return oracle.megatron_full_state(hf_state, dims=spec, padded_vocab_size=padded)
+    state = oracle.megatron_full_state(hf_state, dims=spec, padded_vocab_size=padded)
+    if spec.qk_layernorm:  # Qwen3's per-head norms: copied as they are, replicated over TP (the oracle's default)
+        for layer in range(spec.num_layers):
+            for hf_name, name in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+                state[f"decoder.layers.{layer}.self_attention.{name}.weight"] = (
+                    hf_state[f"model.layers.{layer}.self_attn.{hf_name}.weight"])
+    return state
 
 
 def _oracle_shard(spec, full_state, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int):
