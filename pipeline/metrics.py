@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -122,6 +123,14 @@ class WandbTracker:
         self._run.finish()
 
 
+# MLflow names may hold only alphanumerics and ``_-. :/``; ``eval/pass@1`` becomes ``eval/pass_at_1``.
+_MLFLOW_NAME_REFUSED = re.compile(r"[^\w\-. :/]")
+
+
+def mlflow_name(key: str) -> str:
+    return _MLFLOW_NAME_REFUSED.sub("_", key.replace("@", "_at_"))
+
+
 class MlflowTracker:
     """MLflow: the tracking URI MLflow resolves (``MLFLOW_TRACKING_URI``, a server or a local store)."""
 
@@ -136,7 +145,7 @@ class MlflowTracker:
             experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(name)
             run_id = self._client.create_run(experiment_id, run_name=directory.name).info.run_id
             # MLflow params are write-once strings of at most 6,000 characters: logged on the first start only.
-            params = [Param(key, str(value)[:6000]) for key, value in config.items()]
+            params = [Param(mlflow_name(key), str(value)[:6000]) for key, value in config.items()]
             for begin in range(0, len(params), 100):  # log_batch takes at most 100 params a call
                 self._client.log_batch(run_id, params=params[begin:begin + 100])
         else:
@@ -150,7 +159,7 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(key, value, now, step) for key, value in metrics.items() if math.isfinite(value)]
+        batch = [Metric(mlflow_name(key), value, now, step) for key, value in metrics.items() if math.isfinite(value)]
         for begin in range(0, len(batch), 1000):  # log_batch takes at most 1,000 metrics a call
             self._client.log_batch(self._run_id, metrics=batch[begin:begin + 1000])
 

@@ -23,7 +23,7 @@ RUN_CONFIG = {"algorithm": {"advantage": "grpo"}, "steps": 4, "logging": {"track
 
 
 def _step_metrics(step: int) -> dict[str, float]:
-    return {"reward_mean": 0.125 * step, "ledger/tokens_generated": 1000 * step, "time/step": 0.5}
+    return {"reward_mean": 0.125 * step, "ledger/tokens_generated": 1000 * step, "eval/pass@1": 0.25}
 
 
 @pytest.fixture
@@ -95,6 +95,7 @@ def test_wandb_and_mlflow_receive_config_metrics_artifacts_and_a_resumed_run_app
     assert params["git_commit"]
     history = client.get_metric_history(ids["mlflow"], "ledger/tokens_generated")
     assert sorted({(m.step, m.value) for m in history}) == [(s, 1000.0 * s) for s in range(1, 5)]
+    assert len(client.get_metric_history(ids["mlflow"], "eval/pass_at_1")) >= 4  # MLflow refuses "@" in names
     artifacts = {a.path for a in client.list_artifacts(ids["mlflow"])} | {
         a.path for a in client.list_artifacts(ids["mlflow"], "plots")}
     assert {"config.yaml", "metrics.jsonl", "plots/reward_mean.png"} <= artifacts
