@@ -120,17 +120,28 @@ class DevCluster:
     def wait_for_job(
         self, job_id: int, until: Callable[[dict[str, str]], bool], *, timeout_s: float, what: str
     ) -> dict[str, str]:
-        """Poll the job's record until ``until(record)``; fail with the record and logs after ``timeout_s``."""
+        """Poll the job's record until ``until(record)``; fail with the record and logs after ``timeout_s``.
+
+        A failed ``scontrol`` call is retried until the deadline: on a loaded machine a poll
+        sometimes dies (SIGPIPE from its connection to a busy slurmctld) while the job runs on.
+        """
         deadline = time.monotonic() + timeout_s
-        record = self.job(job_id)
-        while not until(record):
+        record: dict[str, str] = {}
+        while True:
+            try:
+                record = self.job(job_id)
+            except AssertionError as error:
+                if time.monotonic() > deadline:
+                    raise
+                print(f"retrying a failed poll of job {job_id}: {error}")
+            else:
+                if until(record):
+                    return record
             if time.monotonic() > deadline:
                 raise AssertionError(
                     f"job {job_id} not {what} after {timeout_s:.0f} s; last record:\n{record}\n{self.log_tails()}"
                 )
             time.sleep(0.25)
-            record = self.job(job_id)
-        return record
 
     def cancel(self, *job_ids: int) -> None:
         subprocess.run(["scancel", *map(str, job_ids)], env=self.env, capture_output=True, timeout=30, check=False)
