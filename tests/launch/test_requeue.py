@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -179,9 +180,10 @@ def test_rl_workers_get_the_derived_timeout(monkeypatch):
             seen.update(kwargs)
             return "context"
 
-    import pipeline.parallel.context
-
-    monkeypatch.setattr(pipeline.parallel.context, "ParallelContext", Context)
+    # Stand-ins for the modules stage_context imports: megatron itself is not needed to see the wiring.
+    monkeypatch.setitem(sys.modules, "pipeline.parallel.context", types.SimpleNamespace(ParallelContext=Context))
+    monkeypatch.setitem(sys.modules, "pipeline.parallel.rendezvous", types.SimpleNamespace(
+        single_process_rendezvous=lambda: {"rank": 0, "world_size": 1}))
     cfg = dataclasses.replace(RLConfig(), rollout=_sglang(batch_timeout_s=1800))
     assert task.stage_context(Stage(name="rl", kind="rl", config=cfg)) == "context"
     assert seen["timeout_minutes"] == 46 and seen["world_size"] == 1
