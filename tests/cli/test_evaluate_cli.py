@@ -22,11 +22,15 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture
 def seen_config(monkeypatch):
-    """Replaces the stage: records the config `winnow evaluate` would run."""
+    """Replaces the stage, and its input checks (the policy folders here are empty): records the
+    config `winnow evaluate` would run."""
     import pipeline.stages.evaluate as evaluate
+    from pipeline.config import EvaluateConfig
+    from pipeline.stages.preflight import PREFLIGHTS
 
     seen = {}
     monkeypatch.setattr(evaluate, "run_evaluate", lambda cfg: seen.setdefault("cfg", cfg))
+    monkeypatch.setitem(PREFLIGHTS, EvaluateConfig, lambda cfg, found: None)
     return seen
 
 
