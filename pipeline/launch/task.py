@@ -24,6 +24,7 @@ filesystem every node shares.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -35,7 +36,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pipeline.errors import EXIT_USER_ERROR, UserError
@@ -225,7 +226,8 @@ def run_node(plan: CampaignPlan, stage: Stage, *, launcher: Sequence[str]) -> in
                 code, error = _run_ranks(launcher, signals=signals)
             else:
                 # One rank: no peer to wait for, so the stage's own process group will do.
-                outcome = run_stage(with_servers(stage, _servers_from_env()))
+                with _helpers_ignore_usr1():
+                    outcome = run_stage(with_servers(stage, _servers_from_env()))
                 code = 0 if outcome == "done" else EXIT_REQUEUE
         except Exception as caught:  # noqa: BLE001 - recorded in the status file, then re-raised
             error = f"{type(caught).__name__}: {caught}"
@@ -271,6 +273,25 @@ def _mark_attempt_done(plan: CampaignPlan, stage: Stage, token: str) -> None:
     marker.write_text(token + "\n")
 
 
+@contextlib.contextmanager
+def _helpers_ignore_usr1() -> Iterator[None]:
+    """Under SLURM, SIGUSR1 ignored by default while the stage runs, so its helper processes inherit that.
+
+    ``--signal=USR1@N`` reaches every process of the job step: the grading pool's workers and
+    multiprocessing's resource tracker would die of it (their default action) and fail the
+    checkpoint the signal asks for. The rl loop installs its own handler (``StopRequest``)
+    for itself; a Python handler is reset by exec, an ignored signal stays ignored.
+    """
+    if "SLURM_JOB_ID" not in os.environ:
+        yield
+        return
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def stage_context(stage: Stage):
     """An rl stage's process group, with the collective timeout its rollout timeouts need; else None.
 
@@ -297,7 +318,8 @@ def run_worker(stage: Stage) -> int:
     plain failure) and re-raised: the CLI prints it and exits 2.
     """
     try:
-        run_stage(with_servers(stage, _servers_from_env()), context=stage_context(stage))
+        with _helpers_ignore_usr1():
+            run_stage(with_servers(stage, _servers_from_env()), context=stage_context(stage))
     except USER_ERRORS as error:
         exit_dir = os.environ.get(RANK_EXIT_DIR_ENV)
         if exit_dir:

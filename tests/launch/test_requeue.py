@@ -248,3 +248,15 @@ def test_signal_lead_is_the_checkpoint_write_with_the_profile_floor(tmp_path):
     # A policy the campaign has not produced yet (the bootstrap's): the floor.
     unknown = Stage(name="rl", kind="rl", config=RLConfig(), resources=Resources(gpus_per_node=1))
     assert signal_lead_s(unknown, profile=profile) == profile.signal_s
+
+
+def test_under_slurm_the_stages_helpers_ignore_usr1(monkeypatch):
+    """SLURM's SIGUSR1 reaches every process of the step; helpers started by the stage must survive it."""
+    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGUSR1).name)"]
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    with task._helpers_ignore_usr1():
+        assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout == "SIG_IGN\n"
+    assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout == "SIG_DFL\n"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    with task._helpers_ignore_usr1():
+        assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout == "SIG_DFL\n"
