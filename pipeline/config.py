@@ -156,7 +156,12 @@ class CheckpointConfig:
 @dataclass(kw_only=True, slots=True)
 class LoggingConfig:
     output_dir: str = option("runs/default", help="run directory: metrics, plots, resolved config")
-    tensorboard: bool = option(True, help="write TensorBoard scalars")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = option(
+        default_factory=lambda: ["tensorboard"],
+        help="where metrics go besides metrics.jsonl (wandb and mlflow: `pip install 'winnow[tracking]'`); each gets "
+        "the config, git commit, package versions, every step's metrics and the run's files; a resumed run continues "
+        "its tracked run; [] for none",
+    )
     progress: bool = option(True, help="show progress bars and a live status line")
     log_every: int = option(1, ge=1, help="write metrics every this many steps")
 
@@ -274,7 +279,10 @@ class BootstrapConfig:
     trainer: TrainerConfig = section(TrainerConfig, help="micro-batching and the log-prob head")
     batch_size: int = option(64, ge=1, help="sequences per optimizer step")
     seed: int = option(0, help="seed of initialization and data order")
-    cache_dir: str = option("cache/bootstrap", help="results live in <cache_dir>/<config hash>/")
+    cache_dir: str = option(
+        "bootstrap", help="results live in <cache_dir>/<config hash>/; a relative path is under the cache root "
+        "($WINNOW_CACHE, else $XDG_CACHE_HOME/winnow or ~/.cache/winnow), an absolute one is used as given"
+    )
     progress: bool = option(True, help="show a progress bar")
 
 
@@ -342,7 +350,9 @@ class DepoConfig:
         None, help="a trained estimator (`winnow train-estimator` output_dir/estimator); null: a fresh one"
     )
     encoder: Literal["minilm", "tiny"] = option("tiny", help="encoder of a fresh estimator (estimator_dir null)")
-    cache_dir: str = option("~/.cache/winnow/estimator", help="where the MiniLM zip is unpacked once")
+    cache_dir: str = option(
+        "estimator", help="where the MiniLM zip is unpacked once (relative: under the cache root, see bootstrap.cache_dir)"
+    )
     threshold: float = option(
         0.9, gt=0.0, le=1.0, help="drop a prompt when the predicted P(all G rewards equal) exceeds this"
     )
@@ -664,7 +674,9 @@ class TrainEstimatorConfig:
     encoder: Literal["minilm", "tiny"] = option(
         "minilm", help="minilm: pre-trained all-MiniLM-L6-v2; tiny: a random 2-layer encoder (tests, CPU demos)"
     )
-    cache_dir: str = option("~/.cache/winnow/estimator", help="where the MiniLM zip is unpacked once")
+    cache_dir: str = option(
+        "estimator", help="where the MiniLM zip is unpacked once (relative: under the cache root, see bootstrap.cache_dir)"
+    )
     max_length: int = option(256, ge=3, help="question tokens the encoder reads (longer questions are truncated)")
     epochs: int = option(3, ge=1, help="passes over the training prompts")
     batch_size: int = option(32, ge=2, help="prompts per update (the ranking loss compares pairs within a batch)")

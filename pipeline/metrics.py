@@ -187,14 +187,14 @@ def run_metadata(config: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 class MetricsWriter:
-    """``metrics.jsonl`` plus the trackers: ``tensorboard`` (the flag) and ``trackers`` (``TRACKERS`` names).
+    """``metrics.jsonl`` plus the trackers named in ``trackers`` (``TRACKERS`` names).
 
     ``run_config``: the run's resolved config (``configlib.to_dict``), logged once with the
     git commit and package versions. ``resume_from_step``: continue a run (see the module
     docstring); ``None`` starts a new one.
     """
 
-    def __init__(self, directory: str | Path, *, tensorboard: bool = True, trackers: Iterable[str] = (),
+    def __init__(self, directory: str | Path, *, trackers: Iterable[str] = (),
                  run_config: Mapping[str, Any] | None = None, resume_from_step: int | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -206,7 +206,7 @@ class MetricsWriter:
         elif resume_from_step is None and self.path.exists():
             self.path.unlink()
         self._file = self.path.open("a")
-        names = (["tensorboard"] if tensorboard else []) + [name for name in trackers if name != "tensorboard"]
+        names = list(dict.fromkeys(trackers))
         unknown = sorted(set(names) - set(TRACKERS))
         if unknown:
             raise ValueError(f"logging.trackers: unknown {unknown}; known: {sorted(TRACKERS)}")

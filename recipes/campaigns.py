@@ -56,7 +56,7 @@ def _tiny_rl(cfg: RLConfig) -> RLConfig:
     """A CPU preset shrunk to seconds per step: 4 prompts × 4 samples, 16 new tokens, small held-out set."""
     return dataclasses.replace(
         cfg, prompts_per_step=4, max_new_tokens=16, eval_set="arith?difficulty=3&size=40", eval_samples=1,
-        reward=RewardConfig(num_workers=1), logging=dataclasses.replace(cfg.logging, progress=False, tensorboard=False),
+        reward=RewardConfig(num_workers=1), logging=dataclasses.replace(cfg.logging, progress=False, trackers=[]),
     )
 
 

@@ -42,7 +42,7 @@ def trackers_env(tmp_path, monkeypatch):
 
 
 def _run(directory: Path, *, steps: range, resume_from_step: int | None) -> None:
-    writer = MetricsWriter(directory, tensorboard=False, trackers=["wandb", "mlflow"], run_config=RUN_CONFIG,
+    writer = MetricsWriter(directory, trackers=["wandb", "mlflow"], run_config=RUN_CONFIG,
                            resume_from_step=resume_from_step)
     for step in steps:
         writer.log(step, _step_metrics(step))
@@ -102,7 +102,8 @@ def test_wandb_and_mlflow_receive_config_metrics_artifacts_and_a_resumed_run_app
     assert client.get_run(ids["mlflow"]).info.status == "FINISHED"
 
     # wandb: two offline sessions of the same run id (`wandb sync` merges them), the second from step 3.
-    sessions = sorted((run_dir / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    # A second session started within the same second gets a "-1" suffix on its folder.
+    sessions = sorted((run_dir / "wandb").glob(f"offline-run-*-{ids['wandb']}*/run-{ids['wandb']}.wandb"))
     assert len(sessions) == 2
     steps, config, artifact_files = [], {}, set()
     for session in sessions:
@@ -132,4 +133,4 @@ def test_a_new_run_starts_new_tracked_runs(trackers_env):
 
 def test_an_unknown_tracker_is_refused(tmp_path):
     with pytest.raises(ValueError, match="logging.trackers: unknown"):
-        MetricsWriter(tmp_path, tensorboard=False, trackers=["neptune"])
+        MetricsWriter(tmp_path, trackers=["neptune"])

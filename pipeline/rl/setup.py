@@ -256,6 +256,6 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -
     else:
         load_weights(policy.weights, actor.module)
     if context.rank == 0:
-        run.writer = MetricsWriter(output_dir, tensorboard=cfg.logging.tensorboard,
+        run.writer = MetricsWriter(output_dir, trackers=cfg.logging.trackers, run_config=configlib.to_dict(cfg),
                                    resume_from_step=run.start_step if resume_from is not None else None)
     return run

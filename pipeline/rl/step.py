@@ -124,6 +124,7 @@ def finish(run: Run) -> None:
 
     run.pool.close()
     if run.writer is not None:
-        run.writer.close()
+        # The statistics and plots are written first: closing the writer uploads them to the trackers.
         run.stats.to_parquet(run.output_dir / "stats.parquet")
         plot_run(run.output_dir / "metrics.jsonl", run.output_dir / "plots")
+        run.writer.close()

@@ -153,7 +153,7 @@ def run_bootstrap(cfg: BootstrapConfig, *, context=None) -> BootstrapResult:
     )
     actor = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=cfg.optim, seed=cfg.seed)
     loss = CrossEntropyLoss()
-    writer = MetricsWriter(directory, tensorboard=False)
+    writer = MetricsWriter(directory)
     order_generator = torch.Generator().manual_seed(cfg.seed)
     order: list[int] = []
     num_tokens = 0

@@ -243,6 +243,15 @@ def check_servers(found: Preflight, name: str, urls: Iterable[str]) -> None:
             found.problem(name, f"{url}{HEALTH_PATH} answered HTTP {response.status_code}; the server is not ready")
 
 
+def check_trackers(found: Preflight, name: str, trackers: Iterable[str]) -> None:
+    """Each experiment tracker's library is installed (found, not imported: wandb and mlflow take seconds)."""
+    import importlib.util
+
+    for tracker in trackers:
+        if importlib.util.find_spec(tracker) is None:
+            found.problem(name, f"{tracker} is not installed; pip install 'winnow[tracking]'")
+
+
 def check_curation(found: Preflight, name: str, path: str | None) -> None:
     """``path`` is a finished `winnow curate` output folder (its manifest is written last)."""
     if not path:
@@ -291,6 +300,7 @@ def _rl(cfg: RLConfig, found: Preflight) -> None:
         found.problem("algorithm.depo.estimator_dir", f"{estimator_dir} does not exist or is not a folder")
     check_writable(found, "logging.output_dir", cfg.logging.output_dir)
     check_writable(found, "checkpoint.directory", cfg.checkpoint.directory)
+    check_trackers(found, "logging.trackers", cfg.logging.trackers)
     if cfg.rollout.engine == "sglang":
         if cfg.rollout.weights_dir is not None:
             check_writable(found, "rollout.weights_dir", cfg.rollout.weights_dir)

@@ -46,7 +46,7 @@ def _campaign(rank, world_size, tmp, family):
         f"policy={hf}", f"data.train=[{curation.kept_path}]", "data.template=chat", f"curation_dir={tmp}/curate",
         f"eval_set={held_out}", "eval_limit=2", "eval_every=1", "eval_samples=1",
         "prompts_per_step=2", "group_size=2", "max_new_tokens=8", "steps=2", "optim.total_steps=2",
-        "reward.num_workers=1", "logging.progress=false", "logging.tensorboard=false",
+        "reward.num_workers=1", "logging.progress=false", "logging.trackers=[]",
         f"checkpoint.directory={tmp}/rl/checkpoints", f"logging.output_dir={tmp}/rl"])
     context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=rl.seed)
     run_rl(rl, context=context)

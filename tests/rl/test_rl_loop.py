@@ -15,7 +15,7 @@ RL_OVERRIDES = [
     'data.train=["arith?difficulty=3&size=200"]', "reward.format_reward=0.1", "eval_set=arith?difficulty=3&size=40",
     "eval_samples=1",
     "prompts_per_step=4", "group_size=4", "max_new_tokens=24", "steps=4", "optim.total_steps=4", "optim.lr=1e-3",
-    "reward.num_workers=1", "logging.progress=false", "logging.tensorboard=false", "checkpoint.every_steps=2",
+    "reward.num_workers=1", "logging.progress=false", "logging.trackers=[]", "checkpoint.every_steps=2",
 ]
 
 

@@ -142,7 +142,7 @@ def method_config(method: str, seed: int, settings: RaceSettings, *, recipe: Cal
         f"seed={seed}", f"logging.output_dir={run_dir}", f"checkpoint.directory={run_dir}/checkpoints",
         # A checkpoint at every evaluation point is what a resumed race restarts from.
         f"checkpoint.every_steps={settings.eval_every}", "checkpoint.keep_last=1", "checkpoint.resume=auto",
-        "logging.tensorboard=false", f"logging.progress={str(settings.progress).lower()}",
+        "logging.trackers=[]", f"logging.progress={str(settings.progress).lower()}",
         # run_rl's own start/end evaluation is superseded by the race's pass@k; one sample keeps it cheap.
         "eval_samples=1",
         *settings.overrides,

@@ -215,7 +215,7 @@ def winnow_config(args: argparse.Namespace, out: Path):
         f"seed={args.seed}", f"prompts_per_step={args.prompts}", f"max_new_tokens={args.new_tokens}",
         f"optim.lr={args.lr}", "optim.decay=constant", "optim.warmup_steps=0",
         f"logging.output_dir={out / 'winnow'}", f"checkpoint.directory={out / 'winnow/checkpoints'}",
-        f"checkpoint.every_steps={total_steps}", "checkpoint.keep_last=1", "logging.tensorboard=false",
+        f"checkpoint.every_steps={total_steps}", "checkpoint.keep_last=1", "logging.trackers=[]",
         "logging.progress=false", "eval_samples=1", *args.winnow,
     ])
 
