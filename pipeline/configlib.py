@@ -151,7 +151,10 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         raise ConfigError(f"{path}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer beyond float's range (~1.8e308)
+                raise ConfigError(f"{path}: {value} is too large for a number") from None
         raise ConfigError(f"{path}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):

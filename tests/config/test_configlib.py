@@ -49,6 +49,7 @@ def test_overrides_are_dotted_and_typed():
         ("inner.cap=0", r"inner\.cap: 0 is out of range"),
         ("inner.rate=abc", r"inner\.rate: expected a number"),
         ("inner.rate=.nan", r"inner\.rate: NaN"),
+        ("inner.rate=" + "9" * 400, r"inner\.rate: 9+ is too large for a number"),
         ("inner=3", r"inner: expected a Inner section"),
         ("novalue", r"not of the form dotted.path=value"),
     ],
