@@ -251,10 +251,13 @@ class E3Budget(Method):
         return self._rank_all()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_completed_passes": self.num_completed_passes}
+        # num_ranked fixes the denominator of the stored ranks; a resumed run builds this method
+        # before its statistics are loaded, so it cannot recount it from the store.
+        return {"num_completed_passes": self.num_completed_passes, "num_ranked": self.num_ranked}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_completed_passes = int(state["num_completed_passes"])
+        self.num_ranked = int(state["num_ranked"])
 
 
 @BUDGETS.register("ada_est")

@@ -175,7 +175,7 @@ def test_e3_budget_is_uniform_in_the_first_pass_then_favours_hard_prompts():
     first, metrics = budget(torch.arange(4))
     assert first.tolist() == [4, 4, 4, 4] and metrics["e3/g_max"] == 4.0
     budget.update(_end(None, epoch_ended=True))  # only the pass counter is read
-    assert budget.state_dict() == {"num_completed_passes": 1}
+    assert budget.state_dict() == {"num_completed_passes": 1, "num_ranked": 4}
     second, metrics = budget(torch.arange(4))
     assert (metrics["e3/g_min"], metrics["e3/g_max"]) == (2.0, 6.0)
     assert int(second.sum()) == 16
@@ -184,6 +184,13 @@ def test_e3_budget_is_uniform_in_the_first_pass_then_favours_hard_prompts():
     restored = E3Budget(cfg, _setting(group_size=4, stats=stats))
     restored.load_state_dict(budget.state_dict())
     assert torch.equal(restored(torch.arange(4))[0], second)
+    # A resumed run builds its methods on an empty store and loads the store's state afterwards:
+    # the ranking's size must come from the checkpoint, not from the empty store.
+    resumed_stats = _store(4)
+    resumed = E3Budget(cfg, _setting(group_size=4, stats=resumed_stats))
+    resumed_stats.load_state_dict(stats.state_dict())
+    resumed.load_state_dict(budget.state_dict())
+    assert torch.equal(resumed(torch.arange(4))[0], second)
 
 
 def test_ada_est_budget_follows_the_ema_pass_rate_and_uses_curation_as_a_prior():
