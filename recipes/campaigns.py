@@ -28,7 +28,6 @@ from pipeline.config import (
     RLConfig,
     TrainerConfig,
 )
-from pipeline.io import resolve_cache_dir
 from pipeline.launch.campaign import (
     CampaignPlan,
     ConvertConfig,
@@ -76,9 +75,6 @@ def cpu_campaign(*, output_dir: str | Path = "runs/campaigns/cpu", tiny: bool = 
         bootstrap = bootstrap_cpu(tiny=True, cache_dir=str(Path(output_dir).absolute() / "cache" / "bootstrap"))
     else:
         bootstrap = bootstrap_cpu()
-    # Later stages take the cache entry's path from the plan; an absolute folder makes it the one the
-    # bootstrap stage writes (the stage resolves a relative folder under the cache root).
-    bootstrap = dataclasses.replace(bootstrap, cache_dir=str(resolve_cache_dir(bootstrap.cache_dir)))
     return wire_campaign(
         name="cpu-tiny" if tiny else "cpu", output_dir=output_dir, bootstrap=bootstrap,
         curate=curate_cpu(tiny=tiny), estimator=estimator_cpu(tiny=tiny), rl_variants=variants,

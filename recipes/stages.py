@@ -30,9 +30,15 @@ from pipeline.launch.campaign import ExportConfig, Resources, Stage, run_stage
 # ================================================================ CPU presets
 
 
-def bootstrap_cpu(*, tiny: bool = False, cache_dir: str = "cache/bootstrap") -> BootstrapConfig:
-    """The demo's base policy; ``tiny``: a 2-layer width-32 policy trained 40 steps (~10 s)."""
-    cfg = BootstrapConfig(cache_dir=cache_dir, progress=False)
+def bootstrap_cpu(*, tiny: bool = False, cache_dir: str | None = None) -> BootstrapConfig:
+    """The demo's base policy; ``tiny``: a 2-layer width-32 policy trained 40 steps (~10 s).
+
+    ``cache_dir``: where the result is cached (null: ``BootstrapConfig``'s folder under the cache root,
+    which `winnow bootstrap` and `winnow rl` use too).
+    """
+    cfg = BootstrapConfig(progress=False)
+    if cache_dir is not None:
+        cfg = dataclasses.replace(cfg, cache_dir=cache_dir)
     if not tiny:
         return cfg
     return dataclasses.replace(

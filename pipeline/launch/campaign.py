@@ -30,7 +30,8 @@ from pipeline import configlib
 from pipeline.config import STAGE_CONFIGS, BootstrapConfig, CurateConfig, EvaluateConfig, RLConfig, TrainEstimatorConfig
 from pipeline.configlib import ConfigError, option
 from pipeline.errors import EXIT_USER_ERROR
-from pipeline.io import atomic_write_json
+from pipeline.io import atomic_write_json, resolve_cache_dir
+from pipeline.stages.preflight import PREFLIGHTS, CheckpointInputs, HfFolderInputs, preflight, register_preflight
 
 PLAN_FILE = "campaign.json"
 STATUS_FILE = "status.json"
@@ -75,6 +76,18 @@ class ConvertConfig:
     hf: str = option(help="the Hugging Face model folder")
     out: str = option(help="the winnow run directory to create (replaced atomically on a rerun)")
     verify: bool = option(True, help="compare the converted checkpoint's logits with the HF model's")
+
+
+# The two launch-only stages check what `winnow convert` checks.
+@register_preflight(ExportConfig)
+def _export_inputs(cfg: ExportConfig, found) -> None:
+    PREFLIGHTS[CheckpointInputs](CheckpointInputs(checkpoint=cfg.checkpoint, out=cfg.out, tokenizer=cfg.tokenizer),
+                                 found)
+
+
+@register_preflight(ConvertConfig)
+def _convert_inputs(cfg: ConvertConfig, found) -> None:
+    PREFLIGHTS[HfFolderInputs](HfFolderInputs(hf=cfg.hf, out=cfg.out), found)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -426,7 +439,13 @@ assert set(STAGE_RUNNERS) == set(CAMPAIGN_STAGE_CONFIGS)
 
 
 def run_stage(stage: Stage, *, context=None, out: Callable[[str], Any] = print) -> StageOutcome:
-    """Run one stage in this process: ``done``, or ``stopped`` when it checkpointed on a signal."""
+    """Run one stage in this process: ``done``, or ``stopped`` when it checkpointed on a signal.
+
+    Its inputs are checked first (``pipeline.stages.preflight``): by now every stage it depends
+    on has written them, so a missing or malformed one is a ``UserError`` before any work starts.
+    """
+    for note in preflight(stage.config):
+        out(f"{stage.name}: {note}")
     return STAGE_RUNNERS[stage.kind](stage.config, context=context, out=out)
 
 
@@ -546,6 +565,9 @@ def wire_campaign(
                             resources=resources.get(stage_name, Resources())))
 
     if bootstrap is not None:
+        # The plan names the entry by its absolute folder, resolved once here under the launching
+        # user's cache root, so every later stage (and every node) reads the folder the bootstrap writes.
+        bootstrap = dataclasses.replace(bootstrap, cache_dir=str(resolve_cache_dir(bootstrap.cache_dir)))
         policy_dir = Path(bootstrap.cache_dir) / config_hash(bootstrap)
         policy, tokenizer = str(policy_dir), str(policy_dir / "tokenizer")
         add("bootstrap", "bootstrap", bootstrap, ())
