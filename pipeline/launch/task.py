@@ -300,15 +300,13 @@ def stage_context(stage: Stage):
     if stage.kind != "rl":
         return None
     from pipeline.config import collective_timeout_minutes
-    from pipeline.parallel.context import ParallelContext
-    from pipeline.parallel.rendezvous import single_process_rendezvous
+    from pipeline.parallel.rendezvous import initialize_process_context
 
     cfg = stage.config
-    return ParallelContext.initialize(
+    return initialize_process_context(
         tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
         seed=cfg.seed, backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend,
-        timeout_minutes=collective_timeout_minutes(parallel=cfg.parallel, rollout=cfg.rollout),
-        **single_process_rendezvous())
+        timeout_minutes=collective_timeout_minutes(parallel=cfg.parallel, rollout=cfg.rollout))
 
 
 def run_worker(stage: Stage) -> int:

@@ -55,15 +55,18 @@ def process_group_initialized() -> bool:
 
 
 def initialize_process_context(*, tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0,
-                               backend: str | None = None):
+                               backend: str | None = None, timeout_minutes: int | None = None):
     """This process's ``ParallelContext``: from torchrun's environment, or a fresh one-rank group.
 
-    ``backend=None`` picks nccl with CUDA and gloo without (``ParallelContext.initialize``).
+    ``backend=None`` picks nccl with CUDA and gloo without (``ParallelContext.initialize``);
+    ``timeout_minutes=None`` keeps its default collective timeout (an rl run passes
+    ``pipeline.config.collective_timeout_minutes``).
     """
     from pipeline.parallel.context import ParallelContext
 
+    timeout = {} if timeout_minutes is None else {"timeout_minutes": timeout_minutes}
     return ParallelContext.initialize(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                                      seed=seed, backend=backend, **single_process_rendezvous())
+                                      seed=seed, backend=backend, **timeout, **single_process_rendezvous())
 
 
 def broadcast_from_rank0(payload: Any, *, world_size: int) -> Any:

@@ -120,13 +120,15 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
     """Train; returns the last logged metrics. ``max_steps`` stops early (the run stays resumable)."""
     from tqdm import tqdm
 
+    from pipeline.config import collective_timeout_minutes
     from pipeline.parallel.rendezvous import initialize_process_context
     from pipeline.stages.curate import load_curation
 
     if context is None:
         context = initialize_process_context(
             tensor_parallel=cfg.parallel.tensor_parallel, pipeline_parallel=cfg.parallel.pipeline_parallel,
-            seed=cfg.seed, backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
+            seed=cfg.seed, backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend,
+            timeout_minutes=collective_timeout_minutes(parallel=cfg.parallel, rollout=cfg.rollout))
     curation = load_curation(cfg.curation_dir) if cfg.curation_dir is not None else None
     run = setup_run(cfg, policy=initial_policy(cfg, context=context), context=context, curation=curation)
     actor, methods, sampling, ledger = run.actor, run.methods, run.sampling, run.ledger

@@ -174,19 +174,16 @@ def test_a_collective_timeout_shorter_than_the_rollout_is_refused_at_load():
 def test_rl_workers_get_the_derived_timeout(monkeypatch):
     seen = {}
 
-    class Context:
-        @staticmethod
-        def initialize(**kwargs):
-            seen.update(kwargs)
-            return "context"
+    def initialize_process_context(**kwargs):
+        seen.update(kwargs)
+        return "context"
 
-    # Stand-ins for the modules stage_context imports: megatron itself is not needed to see the wiring.
-    monkeypatch.setitem(sys.modules, "pipeline.parallel.context", types.SimpleNamespace(ParallelContext=Context))
-    monkeypatch.setitem(sys.modules, "pipeline.parallel.rendezvous", types.SimpleNamespace(
-        single_process_rendezvous=lambda: {"rank": 0, "world_size": 1}))
+    # A stand-in for the module stage_context imports: megatron itself is not needed to see the wiring.
+    monkeypatch.setitem(sys.modules, "pipeline.parallel.rendezvous",
+                        types.SimpleNamespace(initialize_process_context=initialize_process_context))
     cfg = dataclasses.replace(RLConfig(), rollout=_sglang(batch_timeout_s=1800))
     assert task.stage_context(Stage(name="rl", kind="rl", config=cfg)) == "context"
-    assert seen["timeout_minutes"] == 46 and seen["world_size"] == 1
+    assert seen["timeout_minutes"] == 46
     assert task.stage_context(cpu_campaign(output_dir="/x", tiny=True).stage("curate")) is None
 
 
