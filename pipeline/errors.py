@@ -17,5 +17,13 @@ class CheckpointError(UserError):
     """A checkpoint or model folder is missing, incomplete, corrupt or inconsistent; names the file."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed (a full disk, a broken pipe, a lost filesystem); the previous one is intact.
+
+    Not a ``UserError``: the environment failed, not the input, so the process exits 1 and a
+    SLURM job is requeued (within its budget) to resume from the previous checkpoint.
+    """
+
+
 class NonFiniteTrainingError(UserError):
     """Too many consecutive non-finite losses or gradients: the run stops before the policy is damaged."""

@@ -52,7 +52,7 @@ from pipeline.checkpoint.artifact import (
     step_dir_name,
     verify_checkpoint,
 )
-from pipeline.errors import CheckpointError
+from pipeline.errors import CheckpointError, CheckpointWriteError
 from pipeline.io import atomic_write_text
 from pipeline.parallel.rendezvous import all_gather_objects
 
@@ -197,7 +197,7 @@ class CheckpointManager:
 
     def _raise_failure(self, ranks_by_cause: dict[str, list[int]], *, action: str, final: Path,
                        tmp: Path | None, failure: BaseException | None) -> NoReturn:
-        """Raise the ``CheckpointError`` for a failed save; rank 0 first removes the partial ``tmp``."""
+        """Raise the ``CheckpointWriteError`` for a failed save; rank 0 first removes the partial ``tmp``."""
         if tmp is not None and self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # on a full disk, give the space back
         if self.world_size == 1:
@@ -205,7 +205,7 @@ class CheckpointManager:
         else:  # DCP reports one writer's failure on every rank: each distinct cause once, with its ranks
             detail = " on " + "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {text}"
                                         for text, ranks in ranks_by_cause.items())
-        raise CheckpointError(f"{action} checkpoint {final} failed{detail}; the previous checkpoint is intact") \
+        raise CheckpointWriteError(f"{action} checkpoint {final} failed{detail}; the previous checkpoint is intact") \
             from failure
 
     def _agree(self, failure: BaseException | None, *, action: str, final: Path, tmp: Path | None) -> None:
@@ -217,7 +217,7 @@ class CheckpointManager:
              tensors: dict[str, torch.Tensor] | None = None, metadata: dict[str, Any] | None = None) -> Path:
         """Write checkpoint ``step`` atomically; returns its final path.
 
-        A failed write raises ``CheckpointError`` on every rank, naming the ranks that failed: the
+        A failed write raises ``CheckpointWriteError`` on every rank, naming the ranks that failed: the
         ranks agree after each phase (prepare, write, publish) where they used to meet at a barrier.
         """
         final = self.step_path(step)
@@ -276,7 +276,8 @@ class CheckpointManager:
         try:
             self._publish(tmp, final, step, metadata)
         except OSError as error:
-            raise CheckpointError(f"finishing checkpoint {final} failed: {error}; the previous checkpoint is intact") from error
+            raise CheckpointWriteError(f"finishing checkpoint {final} failed: {error}; the previous checkpoint is "
+                                       "intact") from error
 
     def _publish(self, tmp: Path, final: Path, step: int, metadata: dict[str, Any]) -> None:
         files = {}

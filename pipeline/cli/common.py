@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.errors import EXIT_USER_ERROR, UserError
+from pipeline.errors import EXIT_USER_ERROR, CheckpointWriteError, UserError
 
 
 def run_handler(args: argparse.Namespace) -> int:
@@ -13,7 +13,9 @@ def run_handler(args: argparse.Namespace) -> int:
 
     A ``UserError`` or a missing file prints ``error: ...`` (one line per input at fault)
     and returns 2, before anything was trained or generated when the preflight caught
-    it. Anything else is a bug and keeps its traceback.
+    it. A failed checkpoint write prints its one line too but returns 1: the environment
+    failed, so a SLURM job is requeued and resumes. Anything else is a bug and keeps its
+    traceback.
     """
     try:
         inputs = getattr(args, "inputs", None)
@@ -27,3 +29,6 @@ def run_handler(args: argparse.Namespace) -> int:
         for line in getattr(error, "problems", None) or [str(error)]:
             print(f"error: {line}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except CheckpointWriteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1

@@ -148,7 +148,7 @@ def _failing_save_worker(rank, world_size, directory):
     checkpoint.save_file = disk_full
     try:
         manager.save(2, actor=actor)
-    except checkpoint.CheckpointError as error:
+    except checkpoint.CheckpointWriteError as error:
         return str(error), manager.list_steps(), (Path(directory) / "latest").read_text().strip()
     return None
 

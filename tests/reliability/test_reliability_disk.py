@@ -71,7 +71,7 @@ def _weights(module) -> dict[str, torch.Tensor]:
 
 
 def _failing_writes_worker(rank, world_size, directory):
-    from pipeline.errors import CheckpointError
+    from pipeline.errors import CheckpointWriteError
     from pipeline.checkpoint.artifact import load_weights
     from pipeline.checkpoint.manager import CheckpointManager
 
@@ -88,7 +88,7 @@ def _failing_writes_worker(rank, world_size, directory):
             try:
                 manager.save(2, actor=actor, tensors=RUN_TENSORS)
                 message = None
-            except CheckpointError as error:
+            except CheckpointWriteError as error:
                 message = str(error)
         newest = manager.newest_valid()
         with torch.no_grad():  # the weights must come from the checkpoint
@@ -133,7 +133,7 @@ FAILING_SAVE_STEP = 4
 
 
 def _disk_full_mid_run_worker(rank, world_size, tmp, cache_dir):
-    from pipeline.errors import CheckpointError
+    from pipeline.errors import CheckpointWriteError
     from pipeline.metrics import read_metrics
     from pipeline.parallel.context import ParallelContext
     from pipeline.stages import rl as rl_stage
@@ -154,7 +154,7 @@ def _disk_full_mid_run_worker(rank, world_size, tmp, cache_dir):
     try:
         rl_stage.run_rl(cfg, context=context)
         message = None
-    except CheckpointError as error:
+    except CheckpointWriteError as error:
         message = str(error)
     directory = Path(cfg.checkpoint.directory)
     at_failure = {"entries": sorted(p.name for p in directory.iterdir()),
@@ -205,7 +205,7 @@ ONE_RANK_FAULTS = {"rank 1's own JSON file": (1, lambda: failing_rank_file(rank=
 
 
 def _one_rank_fails_worker(rank, world_size, directory):
-    from pipeline.errors import CheckpointError
+    from pipeline.errors import CheckpointWriteError
     from pipeline.checkpoint.artifact import load_weights
     from pipeline.checkpoint.manager import CheckpointManager
 
@@ -223,7 +223,7 @@ def _one_rank_fails_worker(rank, world_size, directory):
             else:
                 manager.save(2, actor=actor)
             message = None
-        except CheckpointError as error:
+        except CheckpointWriteError as error:
             message = str(error)
         actor.context.barrier()  # every rank has left save() before rank 0 reads the directory
         newest = manager.newest_valid()
