@@ -272,9 +272,10 @@ def _special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
     return {key: value for key, value in ids.items() if isinstance(value, int)}
 
 
-def _generation_values(
+def generation_values_for(
     source_dir: Path | None, overrides: Mapping[str, Any] | None
 ) -> dict[str, Any]:
+    """The generation config an export carries: ``source_dir``'s special tokens and generation config, then ``overrides``."""
     # The tokenizer's special tokens first: without eos_token_id in the generation config,
     # transformers' generate() never stops at the end of an answer.
     values: dict[str, Any] = _special_token_ids(source_dir) if source_dir is not None else {}
@@ -317,12 +318,12 @@ def write_hf_checkpoint(
         files = tokenizer_files(source)
         if not files:
             raise CheckpointError(f"tokenizer folder {source} holds none of {list(TOKENIZER_FILES)}")
-    generation_values = _generation_values(source, generation_config)
+    generation_values = generation_values_for(source, generation_config)
 
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         embedding_dtype = _write_shards(staging, tensors, spec=spec, max_shard_bytes=max_shard_bytes)
-        _write_configs(staging, spec=spec, generation_values=generation_values, dtype=embedding_dtype)
+        write_hf_configs(staging, spec=spec, generation_values=generation_values, dtype=embedding_dtype)
         for file in files:
             shutil.copyfile(file, staging / file.name)
         try:
@@ -398,7 +399,8 @@ def _write_shards(
     return embedding_dtype
 
 
-def _write_configs(staging: Path, *, spec: ModelSpec, generation_values: dict[str, Any], dtype: torch.dtype) -> None:
+def write_hf_configs(staging: Path, *, spec: ModelSpec, generation_values: dict[str, Any], dtype: torch.dtype) -> None:
+    """``config.json`` and ``generation_config.json`` of an HF folder of ``spec`` whose weights are ``dtype``."""
     # transformers is imported here: it is slow to import and only the writer needs it.
     from transformers import GenerationConfig
 

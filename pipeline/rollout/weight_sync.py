@@ -52,7 +52,7 @@ from urllib.parse import urlparse
 import torch
 
 from pipeline.checkpoint.artifact import tokenizer_files
-from pipeline.checkpoint.hf_io import INDEX_FILE, _generation_values, _write_configs
+from pipeline.checkpoint.hf_io import INDEX_FILE, generation_values_for, write_hf_configs
 from pipeline.checkpoint.hf_map import expected_hf_shapes
 from pipeline.errors import CheckpointError
 from pipeline.io import publish_directory
@@ -208,7 +208,7 @@ class DiskSyncedEngine(_Wrapped):
         self.tokenizer_files = tokenizer_files(Path(tokenizer_dir))
         if not self.tokenizer_files:
             raise CheckpointError(f"tokenizer folder {tokenizer_dir} holds no tokenizer files")
-        self._generation_values = _generation_values(Path(tokenizer_dir), None)
+        self._generation_values = generation_values_for(Path(tokenizer_dir), None)
         self._current: Path | None = None
 
     def _staging(self, version: int) -> Path:
@@ -242,7 +242,7 @@ class DiskSyncedEngine(_Wrapped):
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
             dtype = getattr(torch, dtypes["model.embed_tokens.weight"].removeprefix("torch."))
-            _write_configs(staging, spec=self.spec, generation_values=self._generation_values, dtype=dtype)
+            write_hf_configs(staging, spec=self.spec, generation_values=self._generation_values, dtype=dtype)
             for file in self.tokenizer_files:
                 shutil.copyfile(file, staging / file.name)
             export = self.weights_dir / f"v{version}"
