@@ -14,8 +14,8 @@ including what a variant paid before its first RL step. Per stage (``read_ledger
 
 A stage's total is generated + encoded. A stage that has not written its outputs yet, or whose
 outputs predate a count, reports ``None`` for it and says why in ``note``. Not counted anywhere:
-prompt tokens read by the policy (curation's question log-probs, the prefill of every sample)
-and the DEPO estimator's scoring inside an RL run, which the RL metrics do not record.
+prompt tokens read by the policy (curation's question log-probs, the prefill of every sample).
+An RL run's ``encoded`` is its DEPO estimator's reading (``depo/encoded_tokens``, cumulative).
 
 A variant's account (``variant_costs``): *before RL* sums the stages its rl stage depends on,
 directly or not (curation, the estimator when it filters with DEPO); shared stages are charged
@@ -79,7 +79,7 @@ class CampaignLedger:
         rl = self.stages.get(f"rl-{variant}") or self.stages[variant]
         evaluation = self.stages.get(f"evaluate-{variant}")
         before = sum(self.stages[name].total for name in self.dependencies[rl.stage] if name in self.stages)
-        return VariantCost(variant=variant, before_rl=before, rl=rl.generated or 0,
+        return VariantCost(variant=variant, before_rl=before, rl=rl.total,
                            evaluation=None if evaluation is None else evaluation.generated,
                            with_gradient=rl.with_gradient)
 
@@ -95,7 +95,7 @@ class CampaignLedger:
         lines.append(f"{'campaign total':<22} {self.total:>12,}  (generated + encoded)")
         for variant in self.variants():
             cost = self.variant_cost(variant)
-            lines.append(f"variant {variant}: before RL {cost.before_rl:,} + RL rollouts {cost.rl:,} + evaluation "
+            lines.append(f"variant {variant}: before RL {cost.before_rl:,} + RL {cost.rl:,} + evaluation "
                          f"{number(cost.evaluation)} = {cost.total:,}")
         return "\n".join(lines)
 
@@ -160,8 +160,11 @@ def rl_tokens(name: str, cfg) -> StageTokens:
     if not rows:
         return StageTokens(stage=name, kind="rl", note="not run yet")
     last = max(rows, key=lambda row: row["step"])  # the counts are cumulative
-    note = "" if cfg.algorithm.prompt_filter != "depo" else "the estimator's scoring during RL is not recorded"
-    return StageTokens(stage=name, kind="rl", generated=int(last["ledger/tokens_generated"]), encoded=0,
+    # DEPO's online estimator reports what it read, cumulatively (depo/encoded_tokens); older runs did not.
+    depo_unrecorded = cfg.algorithm.prompt_filter == "depo" and "depo/encoded_tokens" not in last
+    note = "the estimator's scoring during RL is not recorded" if depo_unrecorded else ""
+    return StageTokens(stage=name, kind="rl", generated=int(last["ledger/tokens_generated"]),
+                       encoded=int(last.get("depo/encoded_tokens", 0)),
                        with_gradient=int(last["ledger/tokens_with_gradient"]),
                        zero_variance_groups=int(last["ledger/zero_variance_groups"]),
                        groups=int(last["ledger/groups"]), note=note)

@@ -169,7 +169,7 @@ class DepoFilter(Method):
         num_samples = rollouts.num_samples_per_prompt()  # (P,)
         rolled = num_samples > 0
         if int(rolled.sum()) < 2:  # the ranking loss needs pairs; one prompt teaches too little
-            return {}
+            return self._encoded_tokens()
         pass_rates = (rollouts.num_correct_per_prompt().double() / num_samples.clamp(min=1))[rolled]  # (P',)
         texts = [self.texts[i] for i in rollouts.prompt_indices[rolled].tolist()]
         logprobs = None if question_logprobs is None else question_logprobs[rolled]
@@ -180,13 +180,21 @@ class DepoFilter(Method):
             predicted = selected.predicted_pass_rate[rolled].double()
             metrics["depo/observed_zero_variance_fraction"] = float(zero_variance.double().mean())
             metrics["depo/prediction_mae"] = float((predicted - pass_rates).abs().mean())
-        return metrics
+        return {**metrics, **self._encoded_tokens()}
+
+    def _encoded_tokens(self) -> Metrics:
+        """The tokens the estimator has read in this run, scoring and training (cumulative: the campaign ledger's)."""
+        return {"depo/encoded_tokens": float(sum(self.trainer.model.num_encoded_tokens.values()))}
 
     def state_dict(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
+        state = self.trainer.state_dict()  # {"json": ..., "tensors": ...}
+        return {**state, "json": {**state["json"], "num_encoded_tokens": dict(self.trainer.model.num_encoded_tokens)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(state)
+        trainer_json = dict(state["json"])
+        counts = trainer_json.pop("num_encoded_tokens")
+        self.trainer.load_state_dict({**state, "json": trainer_json})
+        self.trainer.model.num_encoded_tokens = {kind: int(n) for kind, n in counts.items()}
 
 
 # ---------------------------------------------------------------------------- budgets

@@ -36,7 +36,7 @@ def _write_campaign_outputs(plan, root):
     _write_rl_metrics(root / "rl" / "default" / "metrics.jsonl", [
         {"step": 0, "eval/pass@1": 0.4},
         _ledger_row(1, generated=500, gradient=100, zero_variance=1, groups=4),
-        _ledger_row(2, generated=1_100, gradient=210, zero_variance=1, groups=8)])
+        {**_ledger_row(2, generated=1_100, gradient=210, zero_variance=1, groups=8), "depo/encoded_tokens": 40}])
     _write_rl_metrics(root / "rl" / "grpo" / "metrics.jsonl", [
         _ledger_row(1, generated=400, gradient=400, zero_variance=2, groups=4),
         _ledger_row(2, generated=800, gradient=800, zero_variance=5, groups=8)])
@@ -64,18 +64,19 @@ def test_ledger_counts_every_stage_exactly(tmp_path):
     assert stages["curate"].generated == 100_000
     assert stages["train-estimator"].encoded == 3_700 and stages["train-estimator"].generated == 0
     assert (stages["rl-default"].generated, stages["rl-default"].with_gradient) == (1_100, 210)
+    assert (stages["rl-default"].encoded, stages["rl-default"].note) == (40, "")  # DEPO's online estimator
     assert (stages["rl-grpo"].zero_variance_groups, stages["rl-grpo"].groups) == (5, 8)
     assert stages["evaluate-default"].generated == 94 and stages["evaluate-default"].note == ""
     assert stages["evaluate-grpo"].generated == 50 and "no num_generated_tokens" in stages["evaluate-grpo"].note
-    assert ledger.total == 100_000 + 3_700 + 1_100 + 800 + 94 + 50  # shared stages once
+    assert ledger.total == 100_000 + 3_700 + 1_100 + 40 + 800 + 94 + 50  # shared stages once
 
     # The default variant filters with DEPO, so it paid for the estimator before RL; GRPO did not.
     default, grpo = ledger.variant_cost("default"), ledger.variant_cost("grpo")
-    assert (default.before_rl, default.rl, default.evaluation, default.total) == (103_700, 1_100, 94, 104_894)
+    assert (default.before_rl, default.rl, default.evaluation, default.total) == (103_700, 1_140, 94, 104_934)
     assert (grpo.before_rl, grpo.rl, grpo.evaluation, grpo.total) == (100_000, 800, 50, 100_850)
     text = ledger.format()
-    assert "campaign total" in text and "105,744" in text
-    assert "variant default: before RL 103,700 + RL rollouts 1,100 + evaluation 94 = 104,894" in text
+    assert "campaign total" in text and "105,784" in text
+    assert "variant default: before RL 103,700 + RL 1,140 + evaluation 94 = 104,934" in text
 
 
 def test_stages_not_run_yet_count_nothing_and_say_so(tmp_path):

@@ -251,9 +251,14 @@ def test_depo_filter_learns_online_and_round_trips_its_state():
     metrics = first.prompt_filter.update(_end(rollouts, selected=selected,
                                               question_logprobs=torch.tensor([-1.0, -2.0, -1.5])))
     assert metrics["estimator/num_updates"] == 1.0 and "depo/loss_distill" in metrics
+    # The estimator counts what it read (3 prompts scored, 3 trained on), and a resumed run keeps counting.
+    encoded = first.prompt_filter.trainer.model.num_encoded_tokens
+    assert encoded["inference"] > 0 and encoded["train"] > 0
+    assert metrics["depo/encoded_tokens"] == float(encoded["inference"] + encoded["train"])
     state, tensors = first.state()
     assert tensors and all(name.startswith("filter.") for name in tensors)
     second.load_state(state, tensors)
+    assert second.prompt_filter.trainer.model.num_encoded_tokens == encoded
     probe = ["easy one", "something else"]
     assert torch.equal(first.prompt_filter.trainer.model.predict_pass_rate(probe),
                        second.prompt_filter.trainer.model.predict_pass_rate(probe))
