@@ -30,6 +30,7 @@ says where it looked.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -141,9 +142,11 @@ def _load_hf_folder(folder: Path, *, tokenizer: str | Path | None, dtype: torch.
     tokenizer_dir = _tokenizer_dir(tokenizer, candidates=[folder])
     if not weights:
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-        try:
-            generation_config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
-        except OSError:  # no generation_config.json: transformers derives one from the config, as a load does
+        # Read as plain JSON data (from_pretrained would route any unknown keyword into the config).
+        generation_file = folder / "generation_config.json"
+        if generation_file.is_file():
+            generation_config = GenerationConfig.from_dict(json.loads(generation_file.read_text()))
+        else:  # transformers derives one from the config, as a load does
             generation_config = GenerationConfig.from_model_config(config)
         return LoadedPolicy(None, _load_tokenizer(tokenizer_dir), config, f"hf:{folder.resolve()}", tokenizer_dir,
                             generation_config)

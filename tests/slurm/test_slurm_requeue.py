@@ -84,15 +84,16 @@ def test_a_user_error_through_torchrun_exits_2_and_is_not_requeued(launch_profil
         record, _logs(tmp_path))
     status = CampaignStatus(tmp_path).read()["rl"]
     assert status["state"] == "failed" and status["attempts"] == 1, status
-    # The rank's own error, carried past torchrun (which exits 1 for any failed rank).
-    assert status["error"].startswith("rank ") and "CheckpointError" in status["error"], status
+    # The rank's own error, carried past torchrun (which exits 1 for any failed rank): the stage's
+    # input check refuses the missing policy before any work starts.
+    assert status["error"].startswith("rank ") and "PreflightError" in status["error"], status
     assert str(missing) in status["error"]
 
 
 @pytest.mark.timeout(START_BUDGET_S + 600)
 def test_a_killed_task_is_requeued_and_resumes(launch_profile, slurm_cluster: DevCluster, bootstrap_cache_dir,
                                                tmp_path):
-    num_steps, every = 16, 4
+    num_steps, every = 8, 2
     cfg = _tiny_rl_config(tmp_path, steps=num_steps, cache=bootstrap_cache_dir)
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=every))
     job_id = _submit(Stage(name="rl", kind="rl", config=cfg, resources=Resources(requeues=2)), tmp_path=tmp_path,
