@@ -403,7 +403,15 @@ class RolloutConfig:
         1, ge=1, help="sync=distributed: GPUs per SGLang server (its --tp-size); each takes one rank of the update group"
     )
 
+    max_staleness: int = option(
+        0, ge=0, le=1, help="0: the synchronous loop; 1: the next step's batch is generated (by the local engine in "
+        "its own process) while this step updates, with weights one version old (docs/rl.md, One-step-off-policy "
+        "rollouts)"
+    )
+
     def __post_init__(self) -> None:
+        _require(self.max_staleness == 0 or self.engine == "local", "max_staleness",
+                 "generation ahead of the update runs with engine=local only; use max_staleness=0 with sglang")
         if self.engine == "sglang":
             _require(bool(self.servers), "servers", "engine=sglang needs at least one server URL")
             _require(self.sync != "disk" or self.weights_dir is not None, "weights_dir",

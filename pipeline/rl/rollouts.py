@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,6 +38,43 @@ class RolloutBatch:
     @property
     def num_prompts(self) -> int:
         return len(self.prompt_token_ids)
+
+    def weight_versions(self) -> torch.Tensor:
+        """(S,) int64 the weight version each sample was generated with."""
+        return torch.tensor([c.weight_version for c in self.completions], dtype=torch.int64)
+
+    def to_state(self, prefix: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(JSON fields, tensors named ``<prefix>.*``): the batch exactly, for a checkpoint (``from_state``)."""
+        completions = self.completions
+        state = {"texts": list(self.texts), "prompt_ids": [c.prompt_id for c in completions],
+                 "sample_indices": [c.sample_index for c in completions],
+                 "finish_reasons": [c.finish_reason for c in completions],
+                 "weight_versions": [c.weight_version for c in completions]}
+        tensors = {
+            "prompt_indices": self.prompt_indices, "group_ids": self.group_ids, "rewards": self.rewards,
+            "prompt_lengths": torch.tensor([len(ids) for ids in self.prompt_token_ids], dtype=torch.int64),
+            "prompt_tokens": torch.tensor([t for ids in self.prompt_token_ids for t in ids], dtype=torch.int64),
+            "lengths": torch.tensor([c.num_tokens for c in completions], dtype=torch.int64),
+            "token_ids": torch.cat([c.token_ids for c in completions]) if completions else torch.zeros(0, dtype=torch.int64),
+            "logprobs": torch.cat([c.logprobs for c in completions]) if completions else torch.zeros(0),
+        }
+        # Copies: the batches of one step share tensors, and a checkpoint file stores each once.
+        return state, {f"{prefix}.{name}": tensor.clone() for name, tensor in tensors.items()}
+
+    @staticmethod
+    def from_state(state: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str) -> RolloutBatch:
+        t = {name: tensors[f"{prefix}.{name}"] for name in (
+            "prompt_indices", "group_ids", "rewards", "prompt_lengths", "prompt_tokens", "lengths", "token_ids",
+            "logprobs")}
+        prompts = [ids.tolist() for ids in t["prompt_tokens"].split(t["prompt_lengths"].tolist())]
+        sizes = t["lengths"].tolist()
+        completions = [Completion(prompt_id=prompt_id, sample_index=int(index), token_ids=token_ids.clone(),
+                                  logprobs=logprobs.clone(), finish_reason=reason, weight_version=int(version))
+                       for prompt_id, index, reason, version, token_ids, logprobs in zip(
+                           state["prompt_ids"], state["sample_indices"], state["finish_reasons"],
+                           state["weight_versions"], t["token_ids"].split(sizes), t["logprobs"].split(sizes))]
+        return RolloutBatch(t["prompt_indices"].clone(), prompts, t["group_ids"].clone(), completions,
+                            list(state["texts"]), t["rewards"].clone())
 
     def reward_sum_per_prompt(self) -> torch.Tensor:
         """(P,) float64 Σ rewards of each prompt's samples."""

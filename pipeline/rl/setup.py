@@ -6,6 +6,7 @@ bootstraps or resolves a checkpoint; this floor never runs another stage).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 from pipeline import configlib
 from pipeline.checkpoint.artifact import load_weights
 from pipeline.checkpoint.manager import CheckpointManager
-from pipeline.config import RLConfig, RolloutConfig
+from pipeline.config import AlgorithmConfig, RLConfig, RolloutConfig
 from pipeline.data import Prompt, load_prompts
 from pipeline.data.sources import parse_spec
 from pipeline.data.templates import prompt_token_ids
@@ -26,7 +27,8 @@ from pipeline.models.spec import ModelSpec
 from pipeline.models.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
 from pipeline.rl.methods import Methods, build_methods
 from pipeline.rl.registry import MethodSetting
-from pipeline.rl.sampling import Sampling, build_sampling
+from pipeline.rl.rollouts import RolloutBatch
+from pipeline.rl.sampling import Sampled, Sampling, SelectedPrompts, build_sampling
 from pipeline.rl.stream import PromptStream
 from pipeline.stats.store import PromptStatsStore
 from pipeline.trainer.actor import Actor
@@ -86,6 +88,58 @@ class StopRequest:
 
 
 @dataclass(slots=True)
+class PreparedStep:
+    """One step's prompts and graded samples, ready for its update.
+
+    With ``rollout.max_staleness=1`` the loop prepares step t+1's (filter, budgets, then
+    generation and grading on a worker thread) while step t updates, and a checkpoint
+    written between them holds it (``to_state``): its samples were generated with weights
+    the checkpointed actor no longer has, so they are kept, not regenerated.
+    """
+
+    step: int
+    seed: int
+    temperature: float  # generated at it, and trained at it
+    num_candidates: int  # prompts the filter saw
+    selected: SelectedPrompts
+    sampled: Sampled
+    metrics: dict[str, float]  # the filter's, the budget's and the sampler's
+    epoch_ended: bool  # a draw for this step completed a pass over the data
+    generate_seconds: float = 0.0  # wall time of its generation and grading (not checkpointed)
+
+    PREFIX = "in_flight"
+
+    def to_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(JSON, tensors named ``in_flight.*``) for the checkpoint."""
+        selected = self.selected
+        tensors = {f"{self.PREFIX}.selected.indices": selected.indices.clone(),
+                   f"{self.PREFIX}.selected.dropped": selected.dropped.clone()}
+        if selected.predicted_pass_rate is not None:
+            tensors[f"{self.PREFIX}.selected.predicted_pass_rate"] = selected.predicted_pass_rate.clone()
+        state = {"step": self.step, "seed": self.seed, "temperature": self.temperature,
+                 "num_candidates": self.num_candidates, "metrics": {k: float(v) for k, v in self.metrics.items()},
+                 "sampler_metrics": {k: float(v) for k, v in self.sampled.metrics.items()},
+                 "epoch_ended": self.epoch_ended}
+        for part in ("pool", "train", "baseline"):
+            state[part], part_tensors = getattr(self.sampled, part).to_state(f"{self.PREFIX}.{part}")
+            tensors.update(part_tensors)
+        return state, tensors
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> PreparedStep:
+        prefix = cls.PREFIX
+        parts = {part: RolloutBatch.from_state(state[part], tensors, f"{prefix}.{part}")
+                 for part in ("pool", "train", "baseline")}
+        selected = SelectedPrompts(tensors[f"{prefix}.selected.indices"].clone(),
+                                   tensors.get(f"{prefix}.selected.predicted_pass_rate"),
+                                   tensors[f"{prefix}.selected.dropped"].clone())
+        return cls(step=int(state["step"]), seed=int(state["seed"]), temperature=float(state["temperature"]),
+                   num_candidates=int(state["num_candidates"]), selected=selected,
+                   sampled=Sampled(**parts, metrics=dict(state["sampler_metrics"])), metrics=dict(state["metrics"]),
+                   epoch_ended=bool(state["epoch_ended"]))
+
+
+@dataclass(slots=True)
 class Run:
     cfg: RLConfig
     context: Any
@@ -109,6 +163,7 @@ class Run:
     start_step: int
     output_dir: Path
     consecutive_skipped: int = 0  # steps skipped in a row for non-finite gradients
+    in_flight: PreparedStep | None = None  # max_staleness=1: the next step's batch, generated ahead
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """JSON state and tensors of everything but the actor (which the manager saves itself)."""
@@ -122,7 +177,11 @@ class Run:
             "stats_meta": stats["meta"],
             "consecutive_skipped": self.consecutive_skipped,
         }
-        return state, {**{f"stats.{k}": v for k, v in stats["tensors"].items()}, **sampling_tensors}
+        in_flight_tensors = {}
+        if self.in_flight is not None:
+            state["in_flight"], in_flight_tensors = self.in_flight.to_state()
+        return state, {**{f"stats.{k}": v for k, v in stats["tensors"].items()}, **sampling_tensors,
+                       **in_flight_tensors}
 
     def load_state(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         self.stream.load_state_dict(state["stream"])
@@ -132,6 +191,12 @@ class Run:
         self.stats.load_state_dict({"meta": state["stats_meta"], "tensors": stats_tensors})
         self.sampling.load_state(state["sampling"], tensors)
         self.consecutive_skipped = int(state["consecutive_skipped"])
+        if "in_flight" in state:
+            if self.cfg.rollout.max_staleness == 0:
+                # Its prompts were drawn from the stream already: dropping it would skip them.
+                raise ValueError(f"rollout.max_staleness: the checkpoint holds step {state['in_flight']['step']}'s "
+                                 "batch, generated ahead of its update; resume it with rollout.max_staleness=1")
+            self.in_flight = PreparedStep.from_state(state["in_flight"], tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +232,9 @@ def load_eval_prompts(cfg: RLConfig) -> list[Prompt]:
 def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_dir: Path):
     """Global rank 0's rollout engine, wrapped in its weight-sync transport (``pipeline.rollout.weight_sync``).
 
-    ``engine=local``: the in-process HF engine, synced in process. ``engine=sglang``: SGLang
+    ``engine=local``: the in-process HF engine, synced in process; with ``max_staleness=1`` the same
+    engine in a process of its own (``pipeline.rollout.process_engine``), so it generates while the
+    trainer updates. ``engine=sglang``: SGLang
     servers, synced through ``weights_dir`` (``sync=disk``) or by broadcast over an update
     group (``sync=distributed``: NCCL with CUDA, else gloo). Stop tokens travel with each
     request (``SamplingParams.stop_token_ids``); the local engine's own EOS is the tokenizer's as well."""
@@ -187,11 +254,37 @@ def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_di
                 server_ranks=cfg.server_tensor_parallel, timeout_s=engine.config.admin_timeout_s)
         return weight_sync.DiskSyncedEngine(engine, weights_dir=cfg.weights_dir, spec=spec,
                                             tokenizer_dir=tokenizer_dir, bucket_bytes=bucket_bytes)
+    if cfg.max_staleness > 0:
+        from pipeline.rollout.process_engine import ProcessEngine, ProcessSyncedEngine, split_threads
+
+        # The two processes overlap while the engine generates ahead: each keeps to its share of the cores.
+        trainer_threads, engine_threads = split_threads()
+        torch.set_num_threads(trainer_threads)
+        engine = ProcessEngine(spec, eos_token_ids=tokenizer.eos_token_id, pad_token_id=pad_token_id(tokenizer),
+                               num_threads=engine_threads)
+        return ProcessSyncedEngine(engine, bucket_bytes=bucket_bytes)
     from pipeline.rollout.local import LocalEngine
 
     engine = LocalEngine(weight_sync.build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
                          pad_token_id=pad_token_id(tokenizer), show_progress=False)
     return weight_sync.LocalSyncedEngine(engine, bucket_bytes=bucket_bytes)
+
+
+def stale_sample_correction(cfg: RLConfig) -> AlgorithmConfig:
+    """The algorithm config the run's methods are built from: at ``rollout.max_staleness=1``,
+    ``rollout_correction=none`` becomes ``tis`` with ``algorithm.correction``'s thresholds.
+
+    A sample generated one version back is off-policy by a whole update, not only by the
+    engine/trainer gap: truncated importance weights min(π_old/π_rollout, C), with π_old
+    recomputed at the current weights, correct it while keeping every token (masking, MIS,
+    would discard generated tokens). tis and mis chosen explicitly stay as they are.
+    """
+    if cfg.rollout.max_staleness == 0 or cfg.algorithm.rollout_correction != "none":
+        return cfg.algorithm
+    logger.info("rollout.max_staleness=%d: stale samples are corrected by truncated importance sampling "
+                "(algorithm.rollout_correction=tis, level %s, C=%g)", cfg.rollout.max_staleness,
+                cfg.algorithm.correction.level, cfg.algorithm.correction.upper)
+    return dataclasses.replace(cfg.algorithm, rollout_correction="tis")
 
 
 def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -> Run:
@@ -229,7 +322,7 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -
     setting = MethodSetting(total_steps=cfg.steps, group_size=cfg.group_size, temperature=cfg.temperature,
                             vocab_size=spec.vocab_size, max_new_tokens=cfg.max_new_tokens,
                             texts=[p.problem for p in prompts], stats=stats, seed=cfg.seed)
-    methods = build_methods(cfg.algorithm, setting)
+    methods = build_methods(stale_sample_correction(cfg), setting)
     sampling = build_sampling(cfg.algorithm, setting)
     reference = None
     if cfg.algorithm.kl_coef > 0:

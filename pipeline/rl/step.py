@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,8 +19,10 @@ import torch
 from pipeline.eval.runner import sample_and_grade, score
 from pipeline.parallel.rendezvous import broadcast_from_rank0
 from pipeline.rl.rollouts import RolloutBatch
-from pipeline.rl.setup import Run
+from pipeline.rl.sampling import SelectedPrompts
+from pipeline.rl.setup import PreparedStep, Run
 from pipeline.rollout.types import GenerationRequest, SamplingParams
+from pipeline.rollout.weight_sync import sync_actor_to_engine
 from pipeline.trainer.batch import TrainBatch
 
 
@@ -42,6 +46,24 @@ def step_seed(seed: int, step: int) -> int:
 def generate_and_grade(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *, temperature: float,
                        seed: int) -> RolloutBatch:
     """Rank 0 generates and grades; every rank receives the same graded samples."""
+    payload = _generate_and_grade_here(run, indices, budgets, temperature=temperature, seed=seed)
+    group_ids, completions, texts, rewards = broadcast_from_rank0(payload, world_size=run.context.world_size)
+    return RolloutBatch(indices, [run.prompt_token_ids[i] for i in indices.tolist()], group_ids, completions,
+                        texts, rewards)
+
+
+def _generate_and_grade_on_rank0(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *, temperature: float,
+                                 seed: int) -> RolloutBatch:
+    """``generate_and_grade`` without the broadcast: global rank 0's worker thread, generating ahead."""
+    group_ids, completions, texts, rewards = _generate_and_grade_here(run, indices, budgets, temperature=temperature,
+                                                                      seed=seed)
+    return RolloutBatch(indices, [run.prompt_token_ids[i] for i in indices.tolist()], group_ids, completions,
+                        texts, rewards)
+
+
+def _generate_and_grade_here(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *, temperature: float,
+                             seed: int) -> tuple | None:
+    """(group ids (S,), completions, texts, rewards (S,)) on the rank holding the engine; None elsewhere."""
     payload = None
     if run.engine is not None:
         # Request ids carry the position: a step may draw one prompt twice (epoch wrap, DAPO top-ups).
@@ -58,9 +80,127 @@ def generate_and_grade(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *
         grades = run.pool.grade_batch([(t, p.answer, p.problem) for t, p in zip(texts, graded_prompts)])
         rewards = torch.tensor([g.score for g in grades], dtype=torch.float32)  # (S,)
         payload = (group_ids, completions, texts, rewards)
-    group_ids, completions, texts, rewards = broadcast_from_rank0(payload, world_size=run.context.world_size)
-    return RolloutBatch(indices, [run.prompt_token_ids[i] for i in indices.tolist()], group_ids, completions,
-                        texts, rewards)
+    return payload
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What a step rolls out, decided before generation: its prompts, budgets, seed and temperature."""
+
+    step: int
+    seed: int
+    temperature: float
+    num_candidates: int
+    selected: SelectedPrompts
+    budgets: torch.Tensor  # (P,) samples per selected prompt
+    metrics: dict[str, float]  # the filter's and the budget's
+    epochs_ended: list[bool]  # one per draw from the stream
+
+
+def plan_step(run: Run, step: int) -> StepPlan:
+    """Draw the step's candidates, filter them and give each kept prompt its budget (every rank)."""
+    candidates, ended = run.stream.next(run.sampling.prompt_filter.num_candidates(run.cfg.prompts_per_step))
+    selected, filter_metrics = run.sampling.prompt_filter(candidates, batch_size=run.cfg.prompts_per_step, step=step)
+    budgets, budget_metrics = run.sampling.budget(selected.indices)
+    return StepPlan(step=step, seed=step_seed(run.cfg.seed, step), temperature=run.methods.temperature.value,
+                    num_candidates=candidates.numel(), selected=selected, budgets=budgets,
+                    metrics=filter_metrics | budget_metrics, epochs_ended=[ended])
+
+
+def sample_step(run: Run, plan: StepPlan, *, generate: Callable[..., RolloutBatch] = generate_and_grade
+                ) -> PreparedStep:
+    """Spend the plan's budgets with the run's sampler (one round, Ada-Seq rounds, DAPO top-ups)."""
+    start = time.perf_counter()
+
+    def draw(count: int) -> torch.Tensor:
+        indices, ended = run.stream.next(count)
+        plan.epochs_ended.append(ended)
+        return indices
+
+    def generate_round(indices: torch.Tensor, budgets: torch.Tensor, round_index: int) -> RolloutBatch:
+        return generate(run, indices, budgets, temperature=plan.temperature, seed=step_seed(plan.seed, round_index))
+
+    sampled = run.sampling.sampler(plan.selected.indices, plan.budgets, generate=generate_round, draw=draw,
+                                   seed=plan.seed)
+    return PreparedStep(step=plan.step, seed=plan.seed, temperature=plan.temperature,
+                        num_candidates=plan.num_candidates, selected=plan.selected, sampled=sampled,
+                        metrics=plan.metrics | sampled.metrics, epoch_ended=any(plan.epochs_ended),
+                        generate_seconds=time.perf_counter() - start)
+
+
+class StepAhead:
+    """``rollout.max_staleness=1``: step t+1's batch is generated while step t updates.
+
+    Global rank 0 runs the sampler (its rounds, its grading) on one worker thread, against
+    the engine in its own process; every rank plans the step (filter, budgets) itself, and
+    the finished batch reaches the other ranks, with the stream position the sampler's extra
+    draws left, at ``collect``. The worker's only shared state is the prompt stream (DAPO's
+    top-up draws) and the grading pool, which the loop leaves alone until ``collect``. The
+    engine's weights change only in ``push``, which first collects, so a batch is generated
+    with one version from its first round to its last; the loop pushes the actor's weights
+    right before launching the next batch, so that version is one update behind the step
+    that trains on it (the first step after a start, launched and collected at once, is on
+    policy).
+
+    Every call is collective, made at the same points of the loop on every rank.
+    """
+
+    def __init__(self, run: Run) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.run = run
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead") \
+            if run.context.rank == 0 else None
+        self.future = None
+        self.version = run.engine.weight_version if run.engine is not None else None
+        self.version = broadcast_from_rank0(self.version, world_size=run.context.world_size)
+
+    def launch(self, plan: StepPlan) -> None:
+        """Start generating ``plan``'s step with the engine's current weights."""
+        assert self.future is None and self.run.in_flight is None, "one batch in flight at a time"
+        self.future = self.worker.submit(sample_step, self.run, plan, generate=_generate_and_grade_on_rank0) \
+            if self.worker is not None else plan
+
+    def collect(self) -> None:
+        """Wait for the batch in flight (if any) and hand it, with the stream position, to every rank."""
+        if self.future is None:
+            return
+        future, self.future = self.future, None
+        payload = (future.result(), self.run.stream.state_dict()) if self.worker is not None else None
+        prepared, stream = broadcast_from_rank0(payload, world_size=self.run.context.world_size)
+        self.run.stream.load_state_dict(stream)
+        self.run.in_flight = prepared
+
+    def take(self, step: int) -> PreparedStep:
+        """Step ``step``'s batch: collected, loaded from the checkpoint, or (nothing in flight) generated now."""
+        self.collect()
+        if self.run.in_flight is None:
+            self.launch(plan_step(self.run, step))
+            self.collect()
+        prepared, self.run.in_flight = self.run.in_flight, None
+        assert prepared.step == step, (prepared.step, step)
+        return prepared
+
+    def push(self, *, version: int) -> None:
+        """The actor's weights to the engine as ``version``, after the batch in flight is complete."""
+        self.collect()
+        if self.version < version:
+            sync_actor_to_engine(self.run.actor, self.run.engine, version=version)
+            self.version = version
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown(wait=True, cancel_futures=True)
+        if self.run.engine is not None:
+            self.run.engine.close()
+
+
+def staleness_metrics(pool: RolloutBatch, *, version: int) -> dict[str, float]:
+    """How many updates behind ``version`` (the policy being trained) the step's samples were generated."""
+    if pool.num_samples == 0:
+        return {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
+    staleness = (version - pool.weight_versions()).double()  # (S,)
+    return {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max())}
 
 
 def question_logprobs(run: Run, rollouts: RolloutBatch) -> torch.Tensor:
@@ -100,7 +240,7 @@ def record_statistics(run: Run, *, pool: RolloutBatch, filtered: torch.Tensor, s
 def step_metrics(*, pool: RolloutBatch, update, temperature: float, mean_entropy: float, tokens: int,
                  gradient_tokens: int, zero_variance: int, num_filtered: int, num_candidates: int,
                  mismatch: dict[str, Any], method_metrics: dict[str, Any], ledger: dict[str, int],
-                 seconds: dict[str, float]) -> dict[str, float]:
+                 rollout: dict[str, float], seconds: dict[str, float]) -> dict[str, float]:
     """One row of ``metrics.jsonl``: the step's rewards, update, budgets, methods, ledger and phase times."""
     budget_counts = pool.num_samples_per_prompt().double()
     return {
@@ -115,6 +255,7 @@ def step_metrics(*, pool: RolloutBatch, update, temperature: float, mean_entropy
         **{f"update/{k}": v for k, v in update.metrics.items()},
         **{k: float(v) for k, v in method_metrics.items()},
         **{f"ledger/{k}": v for k, v in ledger.items()},
+        **rollout,
         **{f"time/{k}": v for k, v in seconds.items()},
     }
 

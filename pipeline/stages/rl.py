@@ -17,28 +17,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from pipeline.algorithms.depo import observed_zero_variance
 from pipeline.config import RLConfig
 from pipeline.errors import NonFiniteTrainingError
 from pipeline.models.spec import ModelSpec
 from pipeline.rl.registry import StepEnd
-from pipeline.rl.rollouts import RolloutBatch, to_train_batch
+from pipeline.rl.rollouts import to_train_batch
 from pipeline.rl.setup import InitialPolicy, StopRequest, setup_run
 from pipeline.rl.step import (
     PhaseTimer,
+    StepAhead,
     evaluate,
     finish,
-    generate_and_grade,
+    plan_step,
     question_logprobs,
     record_statistics,
+    sample_step,
+    staleness_metrics,
     step_metrics,
-    step_seed,
 )
 from pipeline.rollout.mismatch import logprob_mismatch
 from pipeline.rollout.weight_sync import sync_actor_to_engine
-
 
 CONVERTED_POLICY_DIR = "initial_policy"  # under logging.output_dir: a Hugging Face policy, converted
 
@@ -139,95 +138,109 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
     end_step = cfg.steps if max_steps is None else min(cfg.steps, run.start_step + max_steps)
     bar = tqdm(range(run.start_step, end_step), initial=run.start_step, total=cfg.steps, desc="rl",
                disable=not cfg.logging.progress, unit="step")
-    with StopRequest() as stop:
-        for step in bar:
-            timer, seed, metrics = PhaseTimer(), step_seed(cfg.seed, step), {}
-            temperature = methods.temperature.value
-            epochs_ended = []
+    # max_staleness=1: step t+1's batch is generated while step t updates (docs/rl.md).
+    ahead = StepAhead(run) if cfg.rollout.max_staleness > 0 else None
+    try:
+        with StopRequest() as stop:
+            for step in bar:
+                timer, metrics = PhaseTimer(), {}
+                if ahead is None:
+                    with timer("filter"):
+                        plan = plan_step(run, step)
+                    with timer("generate_and_grade"):
+                        prepared = sample_step(run, plan)
+                else:
+                    with timer("generate_wait"):
+                        prepared = ahead.take(step)
+                    with timer("sync"):
+                        ahead.push(version=step + 1)
+                    if step + 1 < cfg.steps:
+                        with timer("filter"):
+                            ahead.launch(plan_step(run, step + 1))
+                seed, temperature, selected = prepared.seed, prepared.temperature, prepared.selected
+                pool, rollouts, baseline = prepared.sampled.pool, prepared.sampled.train, prepared.sampled.baseline
+                metrics.update(prepared.metrics)
+                with timer("advantage"):
+                    advantages, advantage_metrics = methods.advantage(
+                        rewards=rollouts.rewards, group_ids=rollouts.group_ids, pool_rewards=baseline.rewards,
+                        pool_group_ids=baseline.group_ids)
+                    (keep_mask, advantages), selection_metrics = methods.sample_selector(
+                        advantages=advantages, rewards=rollouts.rewards, group_ids=rollouts.group_ids, seed=seed)
+                    metrics.update(advantage_metrics | selection_metrics)
+                with timer("logprobs"):
+                    batch, engine_logprobs = to_train_batch(rollouts.prompt_token_ids, rollouts.completions,
+                                                            rollouts.group_ids, pad_id=run.pad_token_id)
+                    old_logprobs, entropy = None, None  # trainer.old_logprobs=update_forward: the update's own pass
+                    if methods.needs_token_stats or cfg.trainer.old_logprobs == "recompute":
+                        old_logprobs, entropy = actor.compute_token_stats(batch, temperature=temperature)
+                    weights, token_mask, weight_metrics = methods.token_weights(
+                        advantages=advantages, entropy=entropy, logprobs=old_logprobs,
+                        engine_logprobs=engine_logprobs, response_mask=batch.response_mask,
+                        group_ids=rollouts.group_ids, keep_mask=keep_mask)
+                    metrics.update(weight_metrics)
+                    batch.advantages = advantages[:, None] * weights  # (S, T)
+                    batch.old_logprobs, batch.token_mask = old_logprobs, token_mask
+                    if run.reference is not None:
+                        batch.ref_logprobs = run.reference.compute_logprobs(batch, temperature=temperature)
+                    kept_rows = keep_mask.nonzero().squeeze(1)
+                with timer("update"):
+                    update = actor.train_step(batch.select(kept_rows), methods.loss, temperature=temperature)
+                    run.consecutive_skipped = run.consecutive_skipped + 1 if update.skipped else 0
+                    if run.consecutive_skipped > cfg.trainer.max_skipped_steps:
+                        run.pool.close()
+                        raise NonFiniteTrainingError(
+                            f"{run.consecutive_skipped} consecutive non-finite steps up to step {step + 1} "
+                            f"(trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}); stopping before the "
+                            f"policy is damaged. The last checkpoint holds finite weights; lower optim.lr or check "
+                            f"the data")
+                if ahead is None:
+                    with timer("sync"):
+                        sync_actor_to_engine(actor, run.engine, version=step + 2)
 
-            def draw(count: int) -> torch.Tensor:
-                indices, ended = run.stream.next(count)
-                epochs_ended.append(ended)
-                return indices
-
-            def generate(indices: torch.Tensor, budgets: torch.Tensor, round_index: int) -> RolloutBatch:
-                return generate_and_grade(run, indices, budgets, temperature=temperature,
-                                          seed=step_seed(seed, round_index))
-
-            with timer("filter"):
-                candidates = draw(sampling.prompt_filter.num_candidates(cfg.prompts_per_step))
-                selected, filter_metrics = sampling.prompt_filter(candidates, batch_size=cfg.prompts_per_step, step=step)
-                budgets, budget_metrics = sampling.budget(selected.indices)
-            with timer("generate_and_grade"):
-                sampled = sampling.sampler(selected.indices, budgets, generate=generate, draw=draw, seed=seed)
-                pool, rollouts, baseline = sampled.pool, sampled.train, sampled.baseline
-            metrics.update(filter_metrics | budget_metrics | sampled.metrics)
-            with timer("advantage"):
-                advantages, advantage_metrics = methods.advantage(
-                    rewards=rollouts.rewards, group_ids=rollouts.group_ids, pool_rewards=baseline.rewards,
-                    pool_group_ids=baseline.group_ids)
-                (keep_mask, advantages), selection_metrics = methods.sample_selector(
-                    advantages=advantages, rewards=rollouts.rewards, group_ids=rollouts.group_ids, seed=seed)
-                metrics.update(advantage_metrics | selection_metrics)
-            with timer("logprobs"):
-                batch, engine_logprobs = to_train_batch(rollouts.prompt_token_ids, rollouts.completions,
-                                                        rollouts.group_ids, pad_id=run.pad_token_id)
-                old_logprobs, entropy = None, None  # trainer.old_logprobs=update_forward: the update's own pass
-                if methods.needs_token_stats or cfg.trainer.old_logprobs == "recompute":
-                    old_logprobs, entropy = actor.compute_token_stats(batch, temperature=temperature)
-                weights, token_mask, weight_metrics = methods.token_weights(
-                    advantages=advantages, entropy=entropy, logprobs=old_logprobs, engine_logprobs=engine_logprobs,
-                    response_mask=batch.response_mask, group_ids=rollouts.group_ids, keep_mask=keep_mask)
-                metrics.update(weight_metrics)
-                batch.advantages = advantages[:, None] * weights  # (S, T)
-                batch.old_logprobs, batch.token_mask = old_logprobs, token_mask
-                if run.reference is not None:
-                    batch.ref_logprobs = run.reference.compute_logprobs(batch, temperature=temperature)
-                kept_rows = keep_mask.nonzero().squeeze(1)
-            with timer("update"):
-                update = actor.train_step(batch.select(kept_rows), methods.loss, temperature=temperature)
-                run.consecutive_skipped = run.consecutive_skipped + 1 if update.skipped else 0
-                if run.consecutive_skipped > cfg.trainer.max_skipped_steps:
-                    run.pool.close()
-                    raise NonFiniteTrainingError(
-                        f"{run.consecutive_skipped} consecutive non-finite steps up to step {step + 1} "
-                        f"(trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}); stopping before the policy "
-                        f"is damaged. The last checkpoint holds finite weights; lower optim.lr or check the data")
-            with timer("sync"):
-                sync_actor_to_engine(actor, run.engine, version=step + 2)
-
-            mean_entropy = float(entropy[batch.response_mask].mean()) if entropy is not None else update.metrics["entropy"]
-            with timer("estimator"):
-                end = StepEnd(step=step, mean_entropy=mean_entropy, epoch_ended=any(epochs_ended), pool=pool,
-                              selected=selected, question_logprobs=question_logprobs(run, pool)
-                              if sampling.needs_question_logprobs else None)
-                record_statistics(run, pool=pool, filtered=selected.dropped, step=step)
-                metrics.update(sampling.end_step(end) | methods.end_step(end))
-            tokens = sum(c.token_ids.numel() for c in pool.completions)
-            gradient_tokens = int((token_mask & (batch.advantages != 0)).sum())
-            zero_variance = int(observed_zero_variance(rewards=pool.rewards, group_ids=pool.group_ids,
-                                                       num_groups=pool.num_prompts).sum())
-            ledger.record(tokens_generated=tokens, tokens_with_gradient=gradient_tokens,
-                          prompts_filtered=selected.dropped.numel(), samples_discarded=pool.num_samples - kept_rows.numel(),
-                          zero_variance_groups=zero_variance, groups=pool.num_prompts)
-            mismatch = {} if old_logprobs is None else logprob_mismatch(engine_logprobs, old_logprobs,
-                                                                          mask=batch.response_mask)[1]
-            last = step_metrics(pool=pool, update=update, temperature=temperature, mean_entropy=mean_entropy,
-                                tokens=tokens, gradient_tokens=gradient_tokens, zero_variance=zero_variance,
-                                num_filtered=selected.dropped.numel(), num_candidates=candidates.numel(),
-                                mismatch=mismatch, method_metrics=metrics, ledger=ledger.state_dict(),
-                                seconds=timer.seconds)
-            final = step + 1 == cfg.steps
-            scored = final or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0)
-            if scored:
-                last.update(evaluate(run, temperature=cfg.temperature))
-            if run.writer is not None and (scored or (step + 1) % cfg.logging.log_every == 0):
-                run.writer.log(step + 1, last)
-            bar.set_postfix(reward=f"{last['reward_mean']:.3f}", tok_s=f"{tokens / sum(timer.seconds.values()):,.0f}")
-            if final or (step + 1) % cfg.checkpoint.every_steps == 0 or stop.received or step + 1 == end_step:
-                state, tensors = run.state()
-                run.checkpoints.save(step + 1, actor=actor, state=state, tensors=tensors)
-            if stop.received:
-                break
+                mean_entropy = (float(entropy[batch.response_mask].mean()) if entropy is not None
+                                else update.metrics["entropy"])
+                with timer("estimator"):
+                    end = StepEnd(step=step, mean_entropy=mean_entropy, epoch_ended=prepared.epoch_ended, pool=pool,
+                                  selected=selected, question_logprobs=question_logprobs(run, pool)
+                                  if sampling.needs_question_logprobs else None)
+                    record_statistics(run, pool=pool, filtered=selected.dropped, step=step)
+                    metrics.update(sampling.end_step(end) | methods.end_step(end))
+                tokens = sum(c.token_ids.numel() for c in pool.completions)
+                gradient_tokens = int((token_mask & (batch.advantages != 0)).sum())
+                zero_variance = int(observed_zero_variance(rewards=pool.rewards, group_ids=pool.group_ids,
+                                                           num_groups=pool.num_prompts).sum())
+                ledger.record(tokens_generated=tokens, tokens_with_gradient=gradient_tokens,
+                              prompts_filtered=selected.dropped.numel(),
+                              samples_discarded=pool.num_samples - kept_rows.numel(),
+                              zero_variance_groups=zero_variance, groups=pool.num_prompts)
+                mismatch = {} if old_logprobs is None else logprob_mismatch(engine_logprobs, old_logprobs,
+                                                                              mask=batch.response_mask)[1]
+                rollout = staleness_metrics(pool, version=step + 1)
+                if ahead is not None:  # it overlapped the previous step: not one of this step's phases
+                    rollout["time/generate_ahead"] = prepared.generate_seconds
+                last = step_metrics(pool=pool, update=update, temperature=temperature, mean_entropy=mean_entropy,
+                                    tokens=tokens, gradient_tokens=gradient_tokens, zero_variance=zero_variance,
+                                    num_filtered=selected.dropped.numel(), num_candidates=prepared.num_candidates,
+                                    mismatch=mismatch, method_metrics=metrics, ledger=ledger.state_dict(),
+                                    rollout=rollout, seconds=timer.seconds)
+                final = step + 1 == cfg.steps
+                scored = final or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0)
+                if scored:
+                    if ahead is not None:  # score this step's weights, not the ones generating ahead
+                        ahead.push(version=step + 2)
+                    last.update(evaluate(run, temperature=cfg.temperature))
+                if run.writer is not None and (scored or (step + 1) % cfg.logging.log_every == 0):
+                    run.writer.log(step + 1, last)
+                bar.set_postfix(reward=f"{last['reward_mean']:.3f}", tok_s=f"{tokens / sum(timer.seconds.values()):,.0f}")
+                if final or (step + 1) % cfg.checkpoint.every_steps == 0 or stop.received or step + 1 == end_step:
+                    if ahead is not None:  # the checkpoint holds the next step's batch, complete
+                        ahead.collect()
+                    state, tensors = run.state()
+                    run.checkpoints.save(step + 1, actor=actor, state=state, tensors=tensors)
+                if stop.received:
+                    break
+    finally:
+        if ahead is not None:
+            ahead.close()
     finish(run)
     return last
