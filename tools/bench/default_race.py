@@ -19,9 +19,11 @@ rewards are all equal, the waste the methods claim to remove. Methods:
 - ``depo_e3_d3s_cw_raw``: the same with E3's rank budgets (B·G rollouts per step, conserved,
   moved from easy to hard prompts; bounds widen each pass over the pool).
 
-Cost = **total campaign tokens**: rollout tokens of the RL run up to an evaluation point, plus
-the curation's generated tokens for curated methods. Not counted (for any method): the DEPO
-estimator's encoded tokens during RL, which the RL metrics do not record. The target is the
+Cost = **total campaign tokens**, as the campaign ledger counts them (``pipeline.launch.ledger``):
+rollout tokens of the RL run up to an evaluation point, plus the tokens DEPO's online estimator
+read up to that point (``depo/encoded_tokens``), plus the curation's generated tokens for
+curated methods. A DEPO run whose metrics predate that count stops the race with a message to
+rerun it. The target is the
 best baseline's final held-out pass@1 (mean over seeds); each method's cost to target is read
 at the first evaluation point reaching it (no interpolation), per seed, and compared with
 the best baseline's cost of the same seed. Held-out set: ``--heldout-per-level`` test problems
@@ -79,6 +81,29 @@ def _depo_e3_d3s_cw(*, steps: int, group_size: int = 8):
     return cfg
 
 
+# The online estimator at DEPO's defaults (lr 1e-4, threshold 0.9) filtered nothing in 60 steps: its
+# predicted pass rates stayed within ±0.02 of the batch mean, so P(all 8 rewards equal) never left
+# ~0.01. Ten times the learning rate lets it separate the pool's levels within the warm-up, and at
+# threshold 0.5 it drops a prompt once p̂ < 0.083 or p̂ > 0.917 (p̂^8 + (1 − p̂)^8 > 0.5).
+FAST_DEPO_LR = 1e-3
+FAST_DEPO_THRESHOLD = 0.5
+
+
+def _fast_depo_d3s_cw(*, steps: int, group_size: int = 8):
+    cfg = _depo_d3s_cw(steps=steps, group_size=group_size)
+    cfg.algorithm.depo = dataclasses.replace(cfg.algorithm.depo, lr=FAST_DEPO_LR, threshold=FAST_DEPO_THRESHOLD)
+    return cfg
+
+
+def _fast_depo_ada_est_d3s_cw(*, steps: int, group_size: int = 8):
+    """Reinforce-Ada-Est budgets (B·G a step, conserved) in [2, 2G]: fewer samples on prompts the
+    run has seen solved, more on the hard ones, where 8 samples rarely find a success."""
+    cfg = _fast_depo_d3s_cw(steps=steps, group_size=group_size)
+    cfg.algorithm.budget = "ada_est"
+    cfg.algorithm.ada_est = dataclasses.replace(cfg.algorithm.ada_est, min_budget=2, max_budget=2 * group_size)
+    return cfg
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Method:
     recipe: Callable[..., Any]
@@ -94,6 +119,8 @@ METHODS = {
     "grpo_curated": Method(recipe=_grpo, curated=True),
     "depo_d3s_cw_raw": Method(recipe=_depo_d3s_cw, curated=False),
     "depo_e3_d3s_cw_raw": Method(recipe=_depo_e3_d3s_cw, curated=False, evaluate_at_end_only=True),
+    "fast_depo_d3s_cw_raw": Method(recipe=_fast_depo_d3s_cw, curated=False),
+    "fast_depo_ada_est_d3s_cw_raw": Method(recipe=_fast_depo_ada_est_d3s_cw, curated=False),
 }
 
 
@@ -148,6 +175,28 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
             "prompts_filtered": last["ledger/prompts_filtered"], "e3_bounds": bounds}
 
 
+def add_encoded_tokens(result: dict[str, Any], run_dir: Path, *, filters_with_depo: bool) -> None:
+    """Put the estimator's cumulative encoded tokens (0 without DEPO) on every point of the run's curve."""
+    from pipeline.metrics import read_metrics
+
+    encoded = {0: 0}
+    if filters_with_depo:
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        encoded.update({row["step"]: int(row["depo/encoded_tokens"]) for row in rows if "depo/encoded_tokens" in row})
+    for point in result["curve"]:
+        if point["step"] not in encoded and filters_with_depo:
+            raise SystemExit(f"[default_race] {run_dir}: metrics.jsonl has no depo/encoded_tokens at step "
+                             f"{point['step']} (the run predates the count); move the run and its result aside "
+                             "and rerun the race")
+        point["tokens_encoded"] = encoded.get(point["step"], 0)
+    result["final"] = result["curve"][-1]
+
+
+def campaign_tokens(point: dict[str, Any], run: dict[str, Any]) -> int:
+    """Rollout + estimator-encoded tokens up to ``point``, plus the curation the method paid before RL."""
+    return point["tokens_generated"] + point.get("tokens_encoded", 0) + run["curation_tokens"]
+
+
 def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     """Target = the best baseline's mean final pass@1; each method's total tokens to reach it, per seed."""
     from tools.bench.race import first_reaching, spread
@@ -158,7 +207,7 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
 
     def cost_to_target(run: dict[str, Any]) -> float | None:
         point = first_reaching(run["curve"], target)
-        return None if point is None else point["tokens_generated"] + run["curation_tokens"]
+        return None if point is None else campaign_tokens(point, run)
 
     best_cost = {seed: cost_to_target(run) for seed, run in results[best].items()}
     methods = {}
@@ -170,8 +219,9 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
             "final_pass@8": spread([run["final"].get("pass@8") for run in runs.values()]),
             "reached": sum(c is not None for c in costs.values()), "seeds": sorted(runs),
             "tokens_to_target": {"per_seed": costs, "value": spread(list(costs.values())), "ratio": spread(ratios)},
-            "total_tokens_end": spread([run["final"]["tokens_generated"] + run["curation_tokens"]
-                                        for run in runs.values()]),
+            "total_tokens_end": spread([campaign_tokens(run["final"], run) for run in runs.values()]),
+            "rollout_tokens_end": spread([run["final"]["tokens_generated"] for run in runs.values()]),
+            "encoded_tokens_end": spread([run["final"].get("tokens_encoded", 0) for run in runs.values()]),
             "curation_tokens": runs[min(runs)]["curation_tokens"],
             "zero_variance_share": spread([run["summary"]["zero_variance_share"] for run in runs.values()]),
             "prompts_filtered": spread([run["summary"]["prompts_filtered"] for run in runs.values()]),
@@ -191,14 +241,14 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = [f"target: {summary['best_baseline']}'s final held-out pass@1, {summary['target_pass@1']:.4f} "
              "(mean over seeds; [min–max] over seeds)",
              "| method | final pass@1 | reached | total tokens to target | vs best baseline | curation tokens | "
-             "total tokens at the end | zero-variance groups | prompts filtered | E3 bounds |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "estimator tokens | total tokens at the end | zero-variance groups | prompts filtered | E3 bounds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for method, row in summary["methods"].items():
         bounds = " → ".join(f"[{int(lo)}, {int(hi)}]" for lo, hi in row["e3_bounds"]) or "—"
         lines.append(f"| {method} | {_range(row['final_pass@1'], '.3f')} | {row['reached']}/{len(row['seeds'])} | "
                      f"{_range(row['tokens_to_target']['value'], ',.0f')} | "
                      f"{_range(row['tokens_to_target']['ratio'], '.2f')} | {row['curation_tokens']:,} | "
-                     f"{_range(row['total_tokens_end'], ',.0f')} | {_range(row['zero_variance_share'], '.0%')} | "
+                     f"{_range(row['encoded_tokens_end'], ',.0f')} | {_range(row['total_tokens_end'], ',.0f')} | {_range(row['zero_variance_share'], '.0%')} | "
                      f"{_range(row['prompts_filtered'], ',.0f')} | {bounds} |")
     return "\n".join(lines)
 
@@ -260,8 +310,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                     result["summary"] = run_summary(settings.run_dir(name, seed))
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_text(json.dumps(result, indent=1))
+                add_encoded_tokens(result, settings.run_dir(name, seed),
+                                   filters_with_depo=method.recipe(steps=1).algorithm.prompt_filter == "depo")
                 print(f"[default_race] {name} seed {seed}: final pass@1 {result['final']['pass@1']:.3f}, "
                       f"rollout tokens {result['final']['tokens_generated']:,}, "
+                      f"estimator tokens {result['final']['tokens_encoded']:,}, "
                       f"zero-variance {result['summary']['zero_variance_share']:.0%}", flush=True)
                 results.setdefault(name, {})[seed] = result
     if not any(name in BASELINES for name in results):
