@@ -402,6 +402,21 @@ class RolloutConfig:
     server_tensor_parallel: int = option(
         1, ge=1, help="sync=distributed: GPUs per SGLang server (its --tp-size); each takes one rank of the update group"
     )
+    min_servers: int = option(
+        1, ge=1, help="sglang: the run fails (RolloutError) once fewer servers than this are left after retirements"
+    )
+    max_server_failures: int = option(
+        3, ge=0, help="sglang: times a server may die or hang and be restarted and re-synced; its next failure "
+        "retires it (also the launcher's restart budget per server)"
+    )
+    server_recovery_timeout_s: float = option(
+        1800.0, gt=0.0, help="sglang: how long after a failure a server has to answer /health again (a restart: "
+        "its load time) before it is retired"
+    )
+    health_timeout_s: float = option(
+        30.0, gt=0.0, help="sglang: a health probe unanswered this long counts as a hang (above SGLang's own 20 s "
+        "/health_generate limit)"
+    )
 
     max_staleness: int = option(
         0, ge=0, le=1, help="0: the synchronous loop; 1: the next step's batch is generated (by the local engine in "
@@ -414,6 +429,8 @@ class RolloutConfig:
                  "generation ahead of the update runs with engine=local only; use max_staleness=0 with sglang")
         if self.engine == "sglang":
             _require(bool(self.servers), "servers", "engine=sglang needs at least one server URL")
+            _require(self.min_servers <= len(self.servers), "min_servers",
+                     f"{self.min_servers} exceeds the {len(self.servers)} servers in rollout.servers")
             _require(self.sync != "disk" or self.weights_dir is not None, "weights_dir",
                      "engine=sglang with sync=disk needs a shared folder for weight syncs")
         for url in self.servers:

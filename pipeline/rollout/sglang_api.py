@@ -30,6 +30,11 @@ relies on, from SGLang 0.5.23:
   ``success: false`` ("... must run between begin_weight_update() and
   end_weight_update()"); a second begin, or an end without a begin, is refused too.
   ``/update_weights_from_disk`` needs no session.
+* ``GET /health`` answers 200 once the server is up (503 while it starts); ``GET
+  /health_generate`` also runs a one-token generation through the scheduler and answers 503
+  when that gets no answer within ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s), so it sees a hung
+  scheduler behind a live HTTP front end. A stopped process answers neither. ``GET
+  /model_info`` (``GetModelInfoResponse``) reports the served ``weight_version``.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ __all__ = [
     "launch_command",
     "memory_occupation_body",
     "parse_generate_response",
+    "parse_model_info_version",
     "parse_update_response",
     "parse_weight_version",
     "sample_seed",
@@ -69,6 +75,8 @@ __all__ = [
 
 GENERATE_PATH = "/generate"
 HEALTH_PATH = "/health"
+HEALTH_GENERATE_PATH = "/health_generate"
+MODEL_INFO_PATH = "/model_info"
 FLUSH_CACHE_PATH = "/flush_cache"
 UPDATE_FROM_DISK_PATH = "/update_weights_from_disk"
 UPDATE_FROM_TENSOR_PATH = "/update_weights_from_tensor"
@@ -411,3 +419,15 @@ def parse_update_response(payload: Any) -> tuple[bool, str]:
     if not isinstance(payload, dict) or not isinstance(payload.get("success"), bool):
         raise MalformedResponse(f"a weight-update answer must be {{success: bool, message: str}}, got {payload!r}")
     return payload["success"], str(payload.get("message", ""))
+
+
+def parse_model_info_version(payload: Any, *, initial_version: int, current_version: int) -> int:
+    """The weight version a ``/model_info`` answer reports; a body without one is malformed.
+
+    Unlike a ``/generate`` answer, an absent version is not taken to be the current one: this is
+    the check a recovered server must pass before it gets requests again.
+    """
+    if not isinstance(payload, dict) or not isinstance(payload.get("weight_version"), str):
+        raise MalformedResponse(f"/model_info must report weight_version as a string, got {payload!r}")
+    return parse_weight_version(payload["weight_version"], initial_version=initial_version,
+                                current_version=current_version)

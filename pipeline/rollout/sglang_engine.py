@@ -33,6 +33,19 @@ One ``generate`` call:
 * No live server left, or the optional ``batch_timeout_s`` passed: ``RolloutError``.
   The batch never hangs: every wait above is bounded.
 
+Failed servers come back (``max_server_failures`` > 0; the launcher restarts them, see
+``pipeline.rollout.supervise``). A dropped server is *down*: it gets no requests while a
+recovery task polls its ``/health``; once it answers, ``/model_info`` must report the engine's
+weight version. A restarted server reports its launch weights, so it first loads the newest
+``update_weights_from_disk`` folder again; after a tensor or distributed update the engine
+cannot resend the weights itself, and the server waits as *stale* until the next update, which
+includes it (a new update group). Only then is it live. ``generate`` starts with one pass of
+that check over every server, so a server that restarted between two steps never answers a
+request with its launch weights. Each failure counts; the one after ``max_server_failures``,
+or ``recovery_timeout_s`` without recovery, *retires* the server for good (one ``error`` log
+line, ``metrics()["rollout/servers_retired"]``), and fewer than ``min_servers`` servers not
+retired is a ``RolloutError``. With ``max_server_failures=0`` the first failure retires.
+
 Transport: asyncio + ``httpx.AsyncClient``. One event loop holds hundreds of
 minutes-long ``/generate`` calls without a thread each; cancelling a task closes its
 connection, which SGLang takes as a client disconnect and aborts the request (freeing
@@ -74,7 +87,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Literal, Sequence, TypeVar
 
 import httpx
 import torch
@@ -88,6 +101,9 @@ from pipeline.rollout.types import (
     SamplingParams,
     check_requests,
 )
+
+if TYPE_CHECKING:
+    from pipeline.config import RolloutConfig
 
 __all__ = ["SGLangClientConfig", "SGLangEngine", "SGLangServerProcess"]
 
@@ -120,6 +136,19 @@ class SGLangClientConfig:
     api_key: str | None = None
     show_progress: bool = True
     progress_delay_s: float = 2.0
+    max_server_failures: int = 0
+    recovery_timeout_s: float = 1800.0
+    min_servers: int = 1
+
+    @classmethod
+    def from_rollout(cls, rollout: RolloutConfig, **overrides: Any) -> SGLangClientConfig:
+        """The client limits ``rollout`` (a run's ``rollout`` block) sets; ``overrides`` for the rest."""
+        return cls(
+            request_timeout_s=rollout.request_timeout_s, batch_timeout_s=rollout.batch_timeout_s,
+            max_attempts=rollout.max_attempts, probe_timeout_s=rollout.health_timeout_s,
+            max_server_failures=rollout.max_server_failures, recovery_timeout_s=rollout.server_recovery_timeout_s,
+            min_servers=rollout.min_servers, **overrides,
+        )
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "max_in_flight_per_server", "max_samples_per_request", "max_attempts"):
@@ -127,6 +156,9 @@ class SGLangClientConfig:
                 raise ValueError(f"SGLangClientConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_consecutive_failures < 1:
             raise ValueError(f"max_consecutive_failures must be >= 1, got {self.max_consecutive_failures}")
+        if self.max_server_failures < 0 or self.min_servers < 1:
+            raise ValueError(f"need max_server_failures >= 0 and min_servers >= 1, got {self.max_server_failures}, "
+                             f"{self.min_servers}")
         timeouts = (
             "request_timeout_s",
             "connect_timeout_s",
@@ -134,6 +166,7 @@ class SGLangClientConfig:
             "health_poll_s",
             "probe_timeout_s",
             "admin_timeout_s",
+            "recovery_timeout_s",
         )
         for name in timeouts:
             if not getattr(self, name) > 0:
@@ -159,14 +192,27 @@ class _Rejected(Exception):
         self.text = text
 
 
+# live: takes requests. down: failed; waits to answer /health again and be re-synced.
+# stale: healthy, but behind on weights the engine cannot resend itself (tensor or distributed
+# updates); the next weight update includes it. retired: failed too often, never used again.
+_ServerState = Literal["live", "down", "stale", "retired"]
+
+
 @dataclass(eq=False)
 class _Server:
     url: str
     in_flight: int = 0
     consecutive_failures: int = 0
     available_at: float = 0.0  # time.monotonic() before which it gets no new work (backoff)
-    dead: bool = False
-    dead_reason: str = ""
+    state: _ServerState = "live"
+    dead_reason: str = ""  # why it is not live
+    failures: int = 0  # times it went down
+    down_since: float = 0.0  # time.monotonic() of its last failure
+
+    @property
+    def dead(self) -> bool:
+        """Out of the rotation: down, stale or retired."""
+        return self.state != "live"
 
 
 @dataclass(eq=False)
@@ -231,6 +277,17 @@ def _json(response: httpx.Response) -> Any:
         return json.loads(response.content)
     except ValueError as error:
         raise _ServerFault(f"{response.request.url}: malformed JSON ({error})") from error
+
+
+def _answer_failure(outcome: httpx.Response | Exception) -> str | None:
+    """None if ``outcome`` is a ``{success: true, ...}`` weight-update answer, else why not."""
+    if isinstance(outcome, Exception):
+        return str(outcome)
+    try:
+        success, message = api.parse_update_response(_json(outcome))
+    except (api.MalformedResponse, _ServerFault) as error:
+        return str(error)
+    return None if success else message
 
 
 def _run_sync(coroutine: Coroutine[Any, Any, _T]) -> _T:
@@ -326,6 +383,11 @@ class SGLangEngine:
         self._memory_released = False
         self._next_server = 0
         self._session: list[_Server] = []  # servers in an open bucketed weight update
+        # (folder, load_format) of the last update_weights_from_disk: what a recovered server loads.
+        # None before any update (a restarted server is at the initial weights) and after a tensor or
+        # distributed update (only the next one can bring a restarted server up to date).
+        self._disk_source: tuple[str, str | None] | None = None
+        self._num_recoveries = 0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -390,11 +452,32 @@ class SGLangEngine:
 
     @property
     def dead_servers(self) -> dict[str, str]:
-        """URL → why it was dropped."""
+        """URL → why it takes no requests (down, stale or retired)."""
         return {s.url: s.dead_reason for s in self._servers if s.dead}
+
+    @property
+    def retired_servers(self) -> dict[str, str]:
+        """URL → why it was retired for good."""
+        return {s.url: s.dead_reason for s in self._servers if s.state == "retired"}
+
+    @property
+    def servers_to_sync(self) -> list[str]:
+        """The servers the next weight update goes to: the live ones and the stale ones it brings back."""
+        return [s.url for s in self._syncable()]
+
+    def metrics(self) -> dict[str, float]:
+        """Server counts by state and the recoveries so far (``rollout/...`` metrics of a step)."""
+        counts = {state: 0 for state in ("live", "down", "stale", "retired")}
+        for server in self._servers:
+            counts[server.state] += 1
+        return {**{f"rollout/servers_{state}": float(n) for state, n in counts.items()},
+                "rollout/server_recoveries": float(self._num_recoveries)}
 
     def _live(self) -> list[_Server]:
         return [s for s in self._servers if not s.dead]
+
+    def _syncable(self) -> list[_Server]:
+        return [s for s in self._servers if s.state in ("live", "stale")]
 
     def _client(self) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
@@ -407,10 +490,139 @@ class SGLangEngine:
         )
 
     def _drop(self, server: _Server, reason: str) -> None:
-        if not server.dead:
-            server.dead = True
-            server.dead_reason = reason
-            logger.warning("dropping SGLang server %s: %s", server.url, reason)
+        """A failure: the server is down until it recovers, or retired past ``max_server_failures``."""
+        if server.state in ("down", "retired"):
+            return
+        server.failures += 1
+        if server.failures > self.config.max_server_failures:
+            self._retire(server, f"failure {server.failures} (max_server_failures="
+                                 f"{self.config.max_server_failures}): {reason}")
+            return
+        server.state = "down"
+        server.dead_reason = reason
+        server.down_since = time.monotonic()
+        logger.warning("SGLang server %s is down (failure %d of %d allowed): %s; no requests until it answers "
+                       "%s and serves weight version %d", server.url, server.failures,
+                       self.config.max_server_failures, reason, self.config.health_path, self._weight_version)
+
+    def _retire(self, server: _Server, reason: str) -> None:
+        server.state = "retired"
+        server.dead_reason = reason
+        remaining = sum(s.state != "retired" for s in self._servers)
+        logger.error("retiring SGLang server %s for good: %s; %d of %d servers left (min_servers=%d)",
+                     server.url, reason, remaining, len(self._servers), self.config.min_servers)
+
+    def _promote(self, updated: Sequence[_Server], *, version: int) -> None:
+        """Stale servers that took a full weight update serve again."""
+        for server in updated:
+            if server.state == "stale":
+                server.state = "live"
+                self._num_recoveries += 1
+                logger.warning("SGLang server %s is back at weight version %d", server.url, version)
+
+    def _check_enough(self) -> None:
+        """``RolloutError`` once retirements leave fewer than ``min_servers`` servers."""
+        remaining = sum(s.state != "retired" for s in self._servers)
+        if remaining < self.config.min_servers:
+            left = "no SGLang server left" if remaining == 0 else f"only {remaining} SGLang servers left"
+            raise RolloutError(f"{left} of {len(self._servers)}, below rollout.min_servers={self.config.min_servers}; "
+                               f"retired: {self.retired_servers}")
+
+    async def _served_version(self, client: httpx.AsyncClient, server: _Server) -> int:
+        response = await _request(client, "GET", server.url + api.MODEL_INFO_PATH, timeout_s=self.config.probe_timeout_s)
+        try:
+            return api.parse_model_info_version(
+                _json(response), initial_version=self._initial_version, current_version=self._weight_version
+            )
+        except api.MalformedResponse as error:
+            raise _ServerFault(f"{server.url}{api.MODEL_INFO_PATH}: {error}") from error
+
+    async def _recover_once(self, client: httpx.AsyncClient, server: _Server) -> str | None:
+        """One try at bringing a down server back; None once it is settled (live or stale), else why not yet.
+
+        Healthy, then at the current weights (re-loaded from the newest folder if need be), then
+        live. A server still behind after a tensor or distributed update becomes ``stale``: the
+        next update includes it.
+        """
+        cfg = self.config
+        try:
+            await _request(client, "GET", server.url + cfg.health_path, timeout_s=cfg.probe_timeout_s)
+            version = await self._served_version(client, server)
+            if version != self._weight_version and self._disk_source is not None:
+                folder, load_format = self._disk_source
+                body = api.update_weights_from_disk_body(folder, version=self._weight_version, load_format=load_format)
+                answer = await _request(client, "POST", server.url + api.UPDATE_FROM_DISK_PATH, body=body,
+                                        timeout_s=cfg.admin_timeout_s)
+                failure = _answer_failure(answer)
+                if failure is not None:
+                    raise _ServerFault(f"re-loading {folder}: {failure}")
+                version = await self._served_version(client, server)
+        except (_ServerFault, _Rejected) as error:
+            return str(error)
+        if version == self._weight_version:
+            server.state = "live"
+            server.consecutive_failures = 0
+            server.available_at = 0.0
+            self._num_recoveries += 1
+            logger.warning("SGLang server %s is back at weight version %d after failure %d", server.url, version,
+                           server.failures)
+            return None
+        if self._disk_source is None:
+            server.state = "stale"
+            server.dead_reason = (f"serves weight version {version}, not {self._weight_version}; the next weight "
+                                  "update brings it back")
+            logger.warning("SGLang server %s is healthy again but %s", server.url, server.dead_reason)
+            return None
+        return f"still serves weight version {version} after re-loading, not {self._weight_version}"
+
+    def _recovery_overdue(self, server: _Server, last_error: str) -> bool:
+        """Retire a down server once ``recovery_timeout_s`` since its failure passed."""
+        if time.monotonic() < server.down_since + self.config.recovery_timeout_s:
+            return False
+        self._retire(server, f"not back within recovery_timeout_s={self.config.recovery_timeout_s:g} of failure "
+                             f"{server.failures}; last: {last_error}")
+        return True
+
+    async def _recover(self, client: httpx.AsyncClient, server: _Server) -> None:
+        """Retry ``_recover_once`` until the server is settled or retired (``recovery_timeout_s``)."""
+        last_error = server.dead_reason
+        while not self._recovery_overdue(server, last_error):
+            why = await self._recover_once(client, server)
+            if why is None:
+                return
+            last_error = why
+            await asyncio.sleep(self.config.health_poll_s)
+
+    async def _check_servers(self, client: httpx.AsyncClient) -> None:
+        """One pass over the servers: a live one that is unreachable or serves another weight version
+        (it restarted since the last call) goes down; a down one gets one recovery try."""
+        live = self._live()
+        outcomes = await asyncio.gather(*(self._served_version(client, s) for s in live), return_exceptions=True)
+        for server, outcome in zip(live, outcomes):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, (_ServerFault, _Rejected)):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                self._drop(server, f"{api.MODEL_INFO_PATH} failed: {outcome}")
+            elif outcome != self._weight_version:
+                self._drop(server, f"serves weight version {outcome}, not {self._weight_version} (restarted?)")
+        down = [s for s in self._servers if s.state == "down"]
+        whys = await asyncio.gather(*(self._recover_once(client, s) for s in down))
+        for server, why in zip(down, whys):
+            if why is not None:
+                self._recovery_overdue(server, why)
+
+    def check_servers(self) -> None:
+        """Take down every live server that restarted or stopped answering since the last call, and give
+        every down one a recovery try, without waiting. ``generate`` starts with this pass; a
+        weight sync calls it first so that a restarted server is not taken for a member of the
+        update group. ``RolloutError`` once fewer than ``min_servers`` are left."""
+
+        async def run() -> None:
+            async with self._client() as client:
+                await self._check_servers(client)
+
+        _run_sync(run())
+        self._check_enough()
 
     async def _probe(self, client: httpx.AsyncClient, server: _Server, *, timeout_s: float) -> str | None:
         """None if ``/health`` answers 200 within ``timeout_s``, else why not."""
@@ -454,6 +666,21 @@ class SGLangEngine:
                 waiting = [s for s, error in zip(waiting, errors) if error is not None]
                 if waiting:
                     await asyncio.sleep(min(self.config.health_poll_s, max(0.0, deadline - time.monotonic())))
+
+    def recover_servers(self) -> None:
+        """Wait until every down server is back (live, or stale until the next update) or retired.
+
+        ``generate`` does this on its own for the servers it needs; call it to have every server
+        back before something else, e.g. a weight sync. Bounded by ``recovery_timeout_s``;
+        ``RolloutError`` once fewer than ``min_servers`` are left.
+        """
+
+        async def run() -> None:
+            async with self._client() as client:
+                await asyncio.gather(*(self._recover(client, s) for s in self._servers if s.state == "down"))
+
+        _run_sync(run())
+        self._check_enough()
 
     # ---------------------------------------------------------------- generation
 
@@ -559,26 +786,21 @@ class SGLangEngine:
         succeeded: list[_Server] = []
         failed: list[tuple[_Server, str]] = []
         for server, outcome in await self._admin_all(path, body_for, servers=servers):
-            if isinstance(outcome, Exception):
-                failed.append((server, str(outcome)))
-                continue
-            try:
-                success, message = api.parse_update_response(_json(outcome))
-            except (api.MalformedResponse, _ServerFault) as error:
-                failed.append((server, str(error)))
-                continue
-            if success:
+            failure = _answer_failure(outcome)
+            if failure is None:
                 succeeded.append(server)
             else:
-                failed.append((server, message))
+                failed.append((server, failure))
         return succeeded, failed
 
     async def _update_all(self, path: str, body_for: Callable[[int, _Server], Any], *, version: int) -> None:
+        """Update every live server, and every stale one (which the full update brings up to date)."""
+        targets = self._syncable()
         if path not in api.SESSION_UPDATE_PATHS:
-            succeeded, failed = await self._admin_checked(path, body_for)
+            succeeded, failed = await self._admin_checked(path, body_for, servers=targets)
         else:
             opened, failed = await self._admin_checked(
-                api.BEGIN_WEIGHT_UPDATE_PATH, lambda i, s: api.begin_weight_update_body()
+                api.BEGIN_WEIGHT_UPDATE_PATH, lambda i, s: api.begin_weight_update_body(), servers=targets
             )
             if not opened:
                 details = "; ".join(f"{s.url}: {why}" for s, why in failed)
@@ -607,6 +829,8 @@ class SGLangEngine:
         ):
             if isinstance(outcome, Exception):
                 self._drop(server, f"/flush_cache after the update to version {version} failed: {outcome}")
+        self._promote(succeeded, version=version)
+        self._check_enough()
         if not self._live():
             raise RolloutError(f"no SGLang server left after updating to version {version}: {self.dead_servers}")
         self._weight_version = version
@@ -621,7 +845,14 @@ class SGLangEngine:
         """Load an HF export directory (readable by every server) and label it ``version``."""
         self._check_version(version)
         body = api.update_weights_from_disk_body(model_path, version=version, load_format=load_format)
-        _run_sync(self._update_all(api.UPDATE_FROM_DISK_PATH, lambda i, s: body, version=version))
+        if not self._syncable() and any(s.state == "down" for s in self._servers):
+            # Every server is restarting: each loads the folder when it recovers (generate waits for that).
+            logger.warning("no SGLang server is up for the update to version %d; the %d down ones load %s "
+                           "when they recover", version, len(self._servers) - len(self.retired_servers), model_path)
+            self._weight_version = version
+        else:
+            _run_sync(self._update_all(api.UPDATE_FROM_DISK_PATH, lambda i, s: body, version=version))
+        self._disk_source = (model_path, load_format)
 
     def update_weights_from_tensor(
         self,
@@ -634,6 +865,7 @@ class SGLangEngine:
         self._check_version(version)
         body = api.update_weights_from_tensor_body(serialized_named_tensors, version=version, load_format=load_format)
         _run_sync(self._update_all(api.UPDATE_FROM_TENSOR_PATH, lambda i, s: body, version=version))
+        self._disk_source = None
 
     def init_weights_update_group(
         self,
@@ -647,14 +879,15 @@ class SGLangEngine:
     ) -> None:
         """Make every live server join the trainer's broadcast group (trainer = rank 0).
 
-        Live server ``i`` takes ranks ``1 + i·ranks_per_server …``; ``world_size`` must be
-        ``1 + num_live·ranks_per_server``. The servers answer only once the trainer has
+        Server ``i`` of ``servers_to_sync`` (the live ones and the stale ones the next update
+        brings back) takes ranks ``1 + i·ranks_per_server …``; ``world_size`` must be
+        ``1 + len(servers_to_sync)·ranks_per_server``. The servers answer only once the trainer has
         joined too, so call this from a thread while rank 0 runs ``init_process_group``.
         """
-        live = self._live()
+        live = self._syncable()
         if world_size != 1 + len(live) * ranks_per_server:
             raise ValueError(
-                f"world_size {world_size} != 1 + {len(live)} live servers x {ranks_per_server} ranks per server"
+                f"world_size {world_size} != 1 + {len(live)} servers to sync x {ranks_per_server} ranks per server"
             )
 
         def body_for(index: int, server: _Server) -> dict[str, Any]:
@@ -667,22 +900,9 @@ class SGLangEngine:
                 backend=backend,
             )
 
-        async def run() -> None:
-            failures = []
-            for server, outcome in await self._admin_all(api.INIT_UPDATE_GROUP_PATH, body_for, servers=live):
-                if isinstance(outcome, Exception):
-                    failures.append(f"{server.url}: {outcome}")
-                    continue
-                try:
-                    success, message = api.parse_update_response(_json(outcome))
-                except (api.MalformedResponse, _ServerFault) as error:
-                    success, message = False, str(error)
-                if not success:
-                    failures.append(f"{server.url}: {message}")
-            if failures:
-                raise RolloutError(f"init_weights_update_group failed: {'; '.join(failures)}")
-
-        _run_sync(run())
+        _, failed = _run_sync(self._admin_checked(api.INIT_UPDATE_GROUP_PATH, body_for, servers=live))
+        if failed:
+            raise RolloutError(f"init_weights_update_group failed: {'; '.join(f'{s.url}: {why}' for s, why in failed)}")
 
     def update_weights_from_distributed(
         self,
@@ -699,6 +919,7 @@ class SGLangEngine:
             names, dtypes=dtypes, shapes=shapes, version=version, group_name=group_name
         )
         _run_sync(self._update_all(api.UPDATE_FROM_DISTRIBUTED_PATH, lambda i, s: body, version=version))
+        self._disk_source = None
 
     # ------------------------------------------------ bucketed distributed updates
 
@@ -710,9 +931,8 @@ class SGLangEngine:
         URLs in the session.
         """
         self._check_version(version)
-        opened, failed = _run_sync(
-            self._admin_checked(api.BEGIN_WEIGHT_UPDATE_PATH, lambda i, s: api.begin_weight_update_body())
-        )
+        opened, failed = _run_sync(self._admin_checked(
+            api.BEGIN_WEIGHT_UPDATE_PATH, lambda i, s: api.begin_weight_update_body(), servers=self._syncable()))
         for server, why in failed:
             self._drop(server, f"{api.BEGIN_WEIGHT_UPDATE_PATH} for version {version} failed: {why}")
         if not opened:
@@ -734,7 +954,7 @@ class SGLangEngine:
         body = api.update_weights_from_distributed_body(
             names, dtypes=dtypes, shapes=shapes, version=version, group_name=group_name, flush_cache=False
         )
-        servers = [server for server in self._session if not server.dead]
+        servers = [server for server in self._session if server.state in ("live", "stale")]
         if not servers:
             raise RolloutError(f"no server left in the weight-update session for version {version}")
 
@@ -747,20 +967,13 @@ class SGLangEngine:
                 )
             failures = []
             for server, outcome in zip(servers, outcomes):
+                if isinstance(outcome, BaseException) and not isinstance(outcome, (_ServerFault, _Rejected)):
+                    raise outcome
                 if isinstance(outcome, _ServerFault):
                     self._drop(server, f"unreachable during the update to version {version}: {outcome}")
-                    failures.append(f"{server.url}: {outcome}")
-                elif isinstance(outcome, _Rejected):
-                    failures.append(f"{server.url}: {outcome}")
-                elif isinstance(outcome, BaseException):
-                    raise outcome
-                else:
-                    try:
-                        success, message = api.parse_update_response(_json(outcome))
-                    except (api.MalformedResponse, _ServerFault) as error:
-                        success, message = False, str(error)
-                    if not success:
-                        failures.append(f"{server.url}: {message}")
+                failure = _answer_failure(outcome)
+                if failure is not None:
+                    failures.append(f"{server.url}: {failure}")
             return failures
 
         failures = _run_sync(run())
@@ -773,7 +986,7 @@ class SGLangEngine:
         A server that fails to close it is dropped. An incomplete update leaves the version
         unchanged: the servers' weights are a mix until the next complete one.
         """
-        servers = [server for server in self._session if not server.dead]
+        servers = [server for server in self._session if server.state in ("live", "stale")]
         self._session = []
         if servers:
             closed, failed = _run_sync(self._admin_checked(
@@ -795,7 +1008,9 @@ class SGLangEngine:
                     self._drop(server, f"/flush_cache after the update to version {version} failed: {outcome}")
 
         _run_sync(flush())
+        self._promote(closed, version=version)
         self._weight_version = version
+        self._disk_source = None
 
     def _memory(self, path: str, tags: Sequence[str] | None) -> None:
         body = api.memory_occupation_body(tags)
@@ -842,15 +1057,21 @@ class _Batch:
         self.bar = bar
         self.pending: deque[_Work] = deque()
         self.tasks: dict[asyncio.Task[list[api.SampleOutput]], _Attempt] = {}
+        self.recoveries: dict[asyncio.Task[None], _Server] = {}
         self.results: dict[tuple[int, int], api.SampleOutput] = {}
 
     async def run(self, works: list[_Work]) -> dict[tuple[int, int], api.SampleOutput]:
         cfg = self.config
         self.pending.extend(works)
         deadline = None if cfg.batch_timeout_s is None else time.monotonic() + cfg.batch_timeout_s
+        if cfg.max_server_failures > 0:
+            # Servers may come back: one that restarted since the last batch must not serve its launch
+            # weights. (Without recovery its first answer in another version retires it; nothing to check.)
+            await self.engine._check_servers(self.client)
         watchdog = asyncio.create_task(self._watchdog()) if cfg.watchdog_interval_s is not None else None
         try:
             while self.pending or self.tasks:
+                self._start_recoveries()
                 self._start_attempts()
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
@@ -858,24 +1079,31 @@ class _Batch:
                         f"batch_timeout_s={cfg.batch_timeout_s:g} passed with {len(self.results)} of "
                         f"{sum(len(w.sample_indices) for w in works)} samples done"
                     )
+                self.engine._check_enough()
                 live = self.engine._live()
-                if not live:
-                    raise RolloutError(f"no SGLang server left; dropped: {self.engine.dead_servers}")
+                if not live and not self.recoveries:
+                    raise RolloutError(f"no SGLang server can take requests: {self.engine.dead_servers}")
                 # Wake when a backing-off server can take queued work again, or at the deadline.
                 wake_at = [s.available_at for s in live if s.available_at > now] if self.pending else []
                 if deadline is not None:
                     wake_at.append(deadline)
                 timeout = max(0.0, min(wake_at) - now) if wake_at else None
-                if not self.tasks:
+                if not self.tasks and not self.recoveries:
                     # Only reachable while every live server backs off, so timeout is set.
                     assert timeout is not None
                     await asyncio.sleep(timeout)
                     continue
-                done, _ = await asyncio.wait(self.tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    [*self.tasks, *self.recoveries], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
                 for task in done:
-                    self._finish(task, self.tasks.pop(task))
+                    if task in self.recoveries:
+                        del self.recoveries[task]
+                        task.result()  # _recover settles the server's state; anything else is a bug
+                    else:
+                        self._finish(task, self.tasks.pop(task))  # type: ignore[arg-type]
         finally:
-            leftovers = list(self.tasks) + ([watchdog] if watchdog is not None else [])
+            leftovers = [*self.tasks, *self.recoveries] + ([watchdog] if watchdog is not None else [])
             for task in leftovers:
                 task.cancel()
             await asyncio.gather(*leftovers, return_exceptions=True)
@@ -883,6 +1111,13 @@ class _Batch:
                 attempt.server.in_flight -= 1
             self.tasks.clear()
         return self.results
+
+    def _start_recoveries(self) -> None:
+        """One recovery task per down server; the batch waits on them when no server is live."""
+        recovering = set(self.recoveries.values())
+        for server in self.engine._servers:
+            if server.state == "down" and server not in recovering:
+                self.recoveries[asyncio.create_task(self.engine._recover(self.client, server))] = server
 
     def _pick_server(self, avoid: _Server | None) -> _Server | None:
         now = time.monotonic()

@@ -30,8 +30,12 @@ so the other ranks, which hold no engine, know their part.
   group (NCCL on GPU, gloo on CPU); at the end the servers flush their caches and take the
   new version label. If the group breaks (a server died), the sync drains the remaining
   buckets so every trainer rank finishes its part, closes the group and raises one
-  ``RolloutError``; the next sync forms a new group with the servers still alive.
-  Bytes per sync at 7B: 15.2 GB out of rank 0 to every server, once.
+  ``RolloutError``; the next sync forms a new group with the servers still alive. A server
+  that was restarted (``pipeline.rollout.supervise``) and is healthy again waits, without
+  requests, for the next sync, which forms a new group with it and brings it to the current
+  weights. Bytes per sync at 7B: 15.2 GB out of rank 0 to every server, once.
+* A restarted server under ``sync=disk`` needs no sync: the engine has it load the newest
+  ``v<version>`` folder (``update_weights_from_disk``) before it gets requests again.
 
 ``actor_hf_state`` gives the same stream as ``(name, tensor)`` pairs on rank 0, for tools
 that copy the weights somewhere themselves.
@@ -150,6 +154,11 @@ class _Wrapped:
     @property
     def weight_version(self) -> int:
         return self.engine.weight_version
+
+    def metrics(self) -> dict[str, float]:
+        """The wrapped engine's server metrics (``SGLangEngine.metrics``); {} for an engine without them."""
+        metrics = getattr(self.engine, "metrics", None)
+        return metrics() if metrics is not None else {}
 
     def close(self) -> None:
         close = getattr(self.engine, "close", None)
@@ -276,15 +285,20 @@ class DistributedSyncedEngine(_Wrapped):
         self.server_ranks = server_ranks
         self.timeout_s = timeout_s
         self._group: UpdateGroup | None = None
+        self._members: list[str] = []  # the servers in the current group
         self._groups_formed = 0
 
     def plan(self, version: int) -> SyncPlan:
         return SyncPlan(transport="distributed", bucket_bytes=self.bucket_bytes)
 
     def _connect(self) -> UpdateGroup:
-        if self._group is not None:
+        members = self.engine.servers_to_sync
+        if self._group is not None and members == self._members:
             return self._group
-        world_size = 1 + len(self.engine.live_servers) * self.server_ranks
+        # A server came back (restarted, weights behind): a new group with it. The old one is left
+        # to the servers still in it; SGLang holds one per name.
+        self._disconnect()
+        world_size = 1 + len(members) * self.server_ranks
         port = free_port()
         name = f"winnow-weights-{self._groups_formed}"
         self._groups_formed += 1
@@ -301,16 +315,21 @@ class DistributedSyncedEngine(_Wrapped):
                 group.destroy()
                 raise
         self._group = group
+        self._members = members
         return group
 
     def _disconnect(self) -> None:
         if self._group is not None:
             self._group.destroy()
             self._group = None
+            self._members = []
 
     def consume(self, buckets: Iterator[Bucket], *, version: int) -> None:
         error: BaseException | None = None
         try:
+            # A server restarted since the last sync is no member of the group any more: it is found
+            # here (it reports its launch weights) and joins the new group this sync forms.
+            self.engine.check_servers()
             group = self._connect()
             self.engine.begin_weight_update(version=version)
         except (RolloutError, RuntimeError) as failure:

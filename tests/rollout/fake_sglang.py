@@ -26,6 +26,10 @@ can compare what the server holds with the trainer's weights (without the flag b
 are validated and answered, nothing is received). ``--die-on-bucket N``:
 ``os._exit`` when the N-th distributed update arrives, before it receives anything.
 
+``GET /model_info`` answers SGLang's ``GetModelInfoResponse`` with the served weight version.
+``--port P`` binds a fixed port (default: any free one), so a supervisor can restart the server at
+the URL the client knows; every line of ``--log`` names the process id that wrote it.
+
 Modes: ``ok``; ``http500`` (every /generate → 500); ``http400`` (every /generate → 400,
 as SGLang answers a request it refuses); ``malformed`` (200 with a body
 that is not JSON); ``hang_generate`` (/generate never answers, /health does);
@@ -221,6 +225,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path in ("/health", "/health_generate"):
             self._send(200, raw=b"")
+        elif self.path == "/model_info":
+            state = self.state
+            info = state.api.GetModelInfoResponse(model_path="fake", is_generation=True,
+                                                  weight_version=state.weight_version)
+            self._send(200, info.to_json_value())
         else:
             self._send(404, {"detail": "Not Found"})
 
@@ -307,6 +316,7 @@ class _Handler(BaseHTTPRequestHandler):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port-file", required=True)
+    parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--mode", choices=MODES, default="ok")
     parser.add_argument("--delay-s", type=float, default=0.0)
     parser.add_argument("--die-after", type=int, default=0)
@@ -318,7 +328,7 @@ def main() -> None:
     parser.add_argument("--group-timeout-s", type=float, default=10.0)
     parser.add_argument("--weights-out", default="")
     args = parser.parse_args()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), _Handler)
     server.daemon_threads = True
     server.state = _State(args)  # type: ignore[attr-defined]
     port_file = Path(args.port_file)

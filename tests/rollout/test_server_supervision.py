@@ -1,0 +1,237 @@
+"""Supervised rollout servers: real fake-SGLang subprocesses under a ``Supervisor``, an ``SGLangEngine`` on them.
+
+A server is killed with ``kill -9`` and another stopped with ``SIGSTOP`` while their requests
+are in flight. The supervisor restarts each at its URL; the engine takes it back only after it
+loaded the newest weights folder and reports the trainer's weight version, which the server's
+own request log shows (the reload comes before any ``/generate`` of the new process). Every
+step delivers each requested sample exactly once with the tokens of the current version, so
+a lost, duplicated or stale sample fails. A server that keeps dying is retired and the run
+goes on; below ``min_servers`` the run fails with one error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.config import RolloutConfig
+from pipeline.configlib import ConfigError
+from pipeline.rollout import sglang_api as api
+from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
+from pipeline.rollout.supervise import ServerCommand, Supervisor
+from pipeline.rollout.types import Completion, GenerationRequest, RolloutError, SamplingParams
+from tests.rollout.fake_sglang import REPO_ROOT, expected_sample, start_fake_servers
+
+SEED = 77
+PARAMS = SamplingParams(max_new_tokens=5, temperature=1.0, seed=SEED, stop_token_ids=(3, 500))
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _engine_config(**overrides: Any) -> SGLangClientConfig:
+    settings: dict[str, Any] = dict(
+        max_in_flight=6, max_samples_per_request=2, request_timeout_s=20.0, connect_timeout_s=2.0,
+        max_consecutive_failures=2, backoff_initial_s=0.05, backoff_max_s=0.2, startup_timeout_s=30.0,
+        health_poll_s=0.05, watchdog_interval_s=0.2, probe_timeout_s=0.5, admin_timeout_s=10.0,
+        recovery_timeout_s=30.0, show_progress=False,
+    )
+    settings.update(overrides)
+    return SGLangClientConfig(**settings)
+
+
+class Fleet:
+    """Fake servers on fixed ports under a supervisor running in a background thread."""
+
+    def __init__(self, tmp_path: Path, flags: list[list[str]], *, max_restarts: int) -> None:
+        ports = _free_ports(len(flags))
+        self.urls = [f"http://127.0.0.1:{port}" for port in ports]
+        self.logs = [tmp_path / f"server{i}.jsonl" for i in range(len(flags))]
+        commands = [
+            ServerCommand(command=(sys.executable, "-m", "tests.rollout.fake_sglang", "--port", str(port),
+                                   "--port-file", str(tmp_path / f"server{i}.port"), "--log", str(log), *extra),
+                          url=url)
+            for i, (port, url, log, extra) in enumerate(zip(ports, self.urls, self.logs, flags))
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        self.supervisor = Supervisor(commands, max_restarts=max_restarts, probe_timeout_s=0.5, probe_interval_s=0.1,
+                                     max_failed_probes=2, startup_timeout_s=30.0, env=env)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.supervisor.run, kwargs={"until": self._stop.is_set}, daemon=True)
+
+    def __enter__(self) -> Fleet:
+        self.supervisor.start()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.supervisor.close()
+
+    def records(self, index: int) -> list[dict[str, Any]]:
+        import json
+
+        if not self.logs[index].exists():
+            return []
+        return [json.loads(line) for line in self.logs[index].read_text().splitlines() if line.strip()]
+
+    def signal_when_busy(self, index: int, sig: int) -> threading.Thread:
+        """Send ``sig`` to server ``index`` as soon as its current process has a ``/generate`` in flight."""
+        pid = self.supervisor.pids[index]
+        seen = sum(r["path"] == "/generate" and r["pid"] == pid for r in self.records(index))
+
+        def wait_and_signal() -> None:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if sum(r["path"] == "/generate" and r["pid"] == pid for r in self.records(index)) > seen:
+                    os.kill(pid, sig)
+                    return
+                time.sleep(0.005)
+
+        thread = threading.Thread(target=wait_and_signal, daemon=True)
+        thread.start()
+        return thread
+
+
+def _requests(step: int, num_prompts: int = 14) -> list[GenerationRequest]:
+    return [GenerationRequest(f"s{step}q{i}", [i + 2, 19, step], 1 + i % 4) for i in range(num_prompts)]
+
+
+def _assert_exact_delivery(completions: list[Completion], requests: list[GenerationRequest], *, version: int) -> None:
+    keys = [(r.prompt_id, s) for r in requests for s in range(r.num_samples)]
+    assert [(c.prompt_id, c.sample_index) for c in completions] == keys  # none lost, none twice
+    prompts = {r.prompt_id: list(r.prompt_token_ids) for r in requests}
+    served = "default" if version == 0 else str(version)
+    for c in completions:
+        tokens, logprobs, finish = expected_sample(
+            prompts[c.prompt_id], sampling_seed=api.sample_seed(SEED, c.prompt_id, c.sample_index),
+            weight_version=served, max_new_tokens=PARAMS.max_new_tokens, stop_token_ids=list(PARAMS.stop_token_ids))
+        assert c.token_ids.tolist() == tokens and c.finish_reason == finish and c.weight_version == version
+
+
+def _resynced_before_serving(records: list[dict[str, Any]], pid: int, *, folder: str, version: int) -> bool:
+    """The process ``pid`` loaded ``folder`` as ``version`` before its first ``/generate``."""
+    mine = [r for r in records if r["pid"] == pid]
+    paths = [r["path"] for r in mine]
+    if "/update_weights_from_disk" not in paths or "/generate" not in paths:
+        return False
+    load = paths.index("/update_weights_from_disk")
+    body = mine[load]["body"]
+    return load < paths.index("/generate") and body["model_path"] == folder and body["weight_version"] == str(version)
+
+
+@pytest.mark.timeout(120)
+def test_killed_and_hung_servers_are_restarted_resynced_and_lose_no_sample(tmp_path):
+    with Fleet(tmp_path, [["--delay-s", "0.15"]] * 3, max_restarts=2) as fleet:
+        engine = SGLangEngine.attach(fleet.urls, config=_engine_config(max_server_failures=2))
+        first_pids = list(fleet.supervisor.pids)
+        completions = engine.generate(_requests(0), PARAMS)
+        _assert_exact_delivery(completions, _requests(0), version=0)
+
+        version = 0
+        for step, (target, sig) in enumerate([(0, signal.SIGKILL), (1, signal.SIGSTOP)], start=1):
+            version += 1
+            folder = str(tmp_path / f"v{version}")
+            engine.update_weights_from_disk(folder, version=version)
+            fault = fleet.signal_when_busy(target, sig)
+            completions = engine.generate(_requests(step), PARAMS)
+            fault.join()
+            _assert_exact_delivery(completions, _requests(step), version=version)
+            engine.recover_servers()
+            pid = fleet.supervisor.pids[target]
+            assert pid != first_pids[target] and fleet.supervisor.restarts[target] == 1
+            # The restarted process started at the launch weights ("default") and was brought to the
+            # trainer's version from the newest folder before it got a request.
+            assert engine.live_servers == fleet.urls
+            completions = engine.generate(_requests(10 + step), PARAMS)
+            _assert_exact_delivery(completions, _requests(10 + step), version=version)
+            assert _resynced_before_serving(fleet.records(target), pid, folder=folder, version=version)
+
+        assert fleet.supervisor.restarts == [1, 1, 0]
+        assert engine.metrics() == {"rollout/servers_live": 3.0, "rollout/servers_down": 0.0,
+                                    "rollout/servers_stale": 0.0, "rollout/servers_retired": 0.0,
+                                    "rollout/server_recoveries": 2.0}
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_keeps_dying_is_retired_and_the_run_continues(tmp_path, caplog):
+    # Server 2 answers one /generate per process and dies on the next: twice is one failure too many.
+    flags = [["--delay-s", "0.02"]] * 2 + [["--mode", "die_after", "--die-after", "1", "--delay-s", "0.02"]]
+    with Fleet(tmp_path, flags, max_restarts=1) as fleet:
+        engine = SGLangEngine.attach(fleet.urls, config=_engine_config(max_server_failures=1))
+        folder = str(tmp_path / "v1")
+        engine.update_weights_from_disk(folder, version=1)
+        with caplog.at_level(logging.ERROR, logger="pipeline.rollout.sglang_engine"):
+            for step in range(4):
+                completions = engine.generate(_requests(step), PARAMS)
+                _assert_exact_delivery(completions, _requests(step), version=1)
+                engine.recover_servers()
+        assert list(engine.retired_servers) == [fleet.urls[2]]
+        assert engine.live_servers == fleet.urls[:2]
+        retired_lines = [r.getMessage() for r in caplog.records if "retiring SGLang server" in r.getMessage()]
+        assert len(retired_lines) == 1 and fleet.urls[2] in retired_lines[0] and "2 of 3 servers left" in retired_lines[0]
+        assert engine.metrics()["rollout/servers_retired"] == 1.0
+        deadline = time.monotonic() + 10
+        while not fleet.supervisor.retired[2] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fleet.supervisor.retired == [False, False, True] and fleet.supervisor.restarts == [0, 0, 1]
+        # Its one restart was re-synced too before it served.
+        restarted = fleet.records(2)
+        pids = list(dict.fromkeys(r["pid"] for r in restarted))
+        assert len(pids) == 2 and _resynced_before_serving(restarted, pids[1], folder=folder, version=1)
+
+
+@pytest.mark.timeout(60)
+def test_below_min_servers_the_run_fails_with_one_clear_error(tmp_path):
+    servers = start_fake_servers(tmp_path, [dict(delay_s=0.02), dict(mode="die_after", die_after=0)])
+    try:
+        engine = SGLangEngine.attach([s.url for s in servers], config=_engine_config(max_server_failures=0,
+                                                                                       min_servers=2))
+        with pytest.raises(RolloutError, match=r"only 1 SGLang servers left of 2, below rollout.min_servers=2; "
+                                               r"retired: \{'http://127.0.0.1:\d+': 'failure 1 \(max_server_failures=0\)"):
+            engine.generate(_requests(0), PARAMS)
+    finally:
+        for server in servers:
+            server.kill()
+
+
+def test_min_servers_is_checked_against_the_servers_at_load():
+    with pytest.raises(ConfigError, match="min_servers: 3 exceeds the 2 servers"):
+        RolloutConfig(engine="sglang", servers=["http://a:1", "http://b:2"], weights_dir="w", min_servers=3)
+    rollout = RolloutConfig(engine="sglang", servers=["http://a:1", "http://b:2"], weights_dir="w", min_servers=2,
+                            max_server_failures=5, server_recovery_timeout_s=60.0, health_timeout_s=7.0)
+    client = SGLangClientConfig.from_rollout(rollout, show_progress=False)
+    assert (client.min_servers, client.max_server_failures, client.recovery_timeout_s, client.probe_timeout_s) == (
+        2, 5, 60.0, 7.0)
+
+
+def test_supervisor_restarts_an_exited_process_within_its_budget(tmp_path):
+    # No health probes: exits alone drive it. Budget 2: the third exit retires the server.
+    command = ServerCommand(command=(sys.executable, "-c", "raise SystemExit(5)"), url="http://127.0.0.1:9")
+    supervisor = Supervisor([command], max_restarts=2, probe=False, probe_interval_s=0.01)
+    with supervisor:
+        deadline = time.monotonic() + 30
+        while supervisor.num_active and time.monotonic() < deadline:
+            supervisor.check()
+            time.sleep(0.01)
+    assert supervisor.restarts == [2] and supervisor.retired == [True] and supervisor.last_exit == 5
+
+
