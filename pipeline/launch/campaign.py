@@ -186,6 +186,11 @@ class Stage:
         if self.resources.rollout is not None and not (self.resources.rollout.model_path or self.config.policy):
             raise ConfigError(f"stages.{self.name}.config.policy: SGLang servers need a Hugging Face policy "
                               "folder to serve (the bootstrap policy is a winnow checkpoint)")
+        servers = self.resources.rollout
+        if servers is not None and self.config.rollout.min_servers > servers.nodes * servers.servers_per_node:
+            raise ConfigError(f"stages.{self.name}.config.rollout.min_servers: {self.config.rollout.min_servers} "
+                              f"exceeds the {servers.nodes * servers.servers_per_node} servers of "
+                              f"resources.rollout ({servers.nodes} nodes x {servers.servers_per_node})")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,9 +14,11 @@ writes, which calls one of three roles:
   group whose collective timeout is ``pipeline.config.collective_timeout_minutes``.
   torchrun exits 1 whatever its failed rank exited with, so a rank that fails with a
   user error also leaves a line in the node's rank-exit folder, and the node exits 2.
-* ``serve``: one per rollout node; runs its SGLang servers until the first trainer
-  node marks the attempt finished. Servers serve rl, curate and evaluate stages alike;
-  the stage's ``rollout`` block is pointed at them (``with_servers``).
+* ``serve``: one per rollout node; runs its SGLang servers under a ``Supervisor``
+  (``pipeline.rollout.supervise``: a dead or hung server is restarted, one that fails past
+  ``rollout.max_server_failures`` retired) until the first trainer node marks the attempt
+  finished. Servers serve rl, curate and evaluate stages alike; the stage's ``rollout`` block
+  is pointed at them (``with_servers``).
 
 The plan (``campaign.json``) and status file live in the campaign directory on a
 filesystem every node shares.
@@ -126,32 +128,37 @@ def wait_for_servers(urls: Sequence[str], *, timeout_s: float, poll_s: float = 5
             time.sleep(poll_s)
 
 
-def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, poll_s: float = 5.0) -> int:
-    """Run the servers until ``done_marker`` holds ``token``; a server that exits first ends the role.
+def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, poll_s: float = 5.0,
+          urls: Sequence[str] = (), max_restarts: int = 0, health_timeout_s: float = 30.0,
+          startup_timeout_s: float = 1800.0, min_servers: int = 1, servers_elsewhere: int = 0) -> int:
+    """Run the servers under a ``Supervisor`` until ``done_marker`` holds ``token``.
 
-    Exits with the first dead server's code (non-zero: srun's --kill-on-bad-exit then ends
-    the trainer too, and the job fails or is requeued), else 0.
+    ``urls`` (one per command) turn on the health probes that find hung servers; without them
+    only exits are seen. A server is restarted ``max_restarts`` times, then retired. The role
+    ends early, with the last server's exit status (non-zero: srun's --kill-on-bad-exit then
+    ends the trainer too, and the job fails or is requeued), only once this node's remaining
+    servers plus the ``servers_elsewhere`` of the other rollout nodes are below ``min_servers``:
+    the trainer cannot go on then either. Else 0.
     """
-    processes = [subprocess.Popen(list(command)) for command in commands]
-    try:
-        while True:
-            for process in processes:
-                code = process.poll()
-                if code is not None:
-                    print(f"rollout server {process.args[:6]} exited with {code}", file=sys.stderr)
-                    return code or 1
-            if done_marker.is_file() and done_marker.read_text().strip() == token:
-                return 0
-            time.sleep(poll_s)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    from pipeline.rollout.supervise import ServerCommand, Supervisor
+
+    probe = bool(urls)
+    addresses = list(urls) if probe else ["http://127.0.0.1:0"] * len(commands)
+    if len(addresses) != len(commands):
+        raise ValueError(f"{len(commands)} server commands but {len(addresses)} URLs")
+    supervisor = Supervisor([ServerCommand(command=tuple(c), url=u) for c, u in zip(commands, addresses)],
+                            max_restarts=max_restarts, probe=probe, probe_timeout_s=health_timeout_s,
+                            probe_interval_s=poll_s, startup_timeout_s=startup_timeout_s)
+    with supervisor:
+        while not (done_marker.is_file() and done_marker.read_text().strip() == token):
+            started = time.monotonic()
+            supervisor.check()
+            if supervisor.num_active + servers_elsewhere < min_servers:
+                print(f"rollout servers: {supervisor.num_active} of {len(commands)} left on this node, "
+                      f"{servers_elsewhere} elsewhere, below rollout.min_servers={min_servers}", file=sys.stderr)
+                return supervisor.last_exit or 1
+            time.sleep(max(0.0, poll_s - (time.monotonic() - started)))
+    return 0
 
 
 # ================================================================ trainer roles
@@ -338,6 +345,13 @@ def run_role(role: str, *, campaign_dir: str, stage_name: str, launcher: Sequenc
         return run_worker(stage)
     if role == "serve":
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        servers = stage.resources.rollout
+        assert servers is not None
+        rollout = stage.config.rollout
         return serve(sglang_server_commands(stage, host=host), done_marker=_done_marker(plan, stage),
-                     token=_attempt_token())
+                     token=_attempt_token(),
+                     urls=[f"http://{host}:{servers.port + i}" for i in range(servers.servers_per_node)],
+                     max_restarts=rollout.max_server_failures, health_timeout_s=rollout.health_timeout_s,
+                     startup_timeout_s=servers.startup_timeout_s, min_servers=rollout.min_servers,
+                     servers_elsewhere=(servers.nodes - 1) * servers.servers_per_node)
     return run_node(plan, stage, launcher=launcher)

@@ -235,3 +235,30 @@ def test_supervisor_restarts_an_exited_process_within_its_budget(tmp_path):
     assert supervisor.restarts == [2] and supervisor.retired == [True] and supervisor.last_exit == 5
 
 
+
+
+def test_serve_role_outlives_a_retired_server_while_min_servers_remain(tmp_path):
+    from pipeline.launch import task
+
+    marker = tmp_path / "rl.done"
+    crasher = [[sys.executable, "-c", "raise SystemExit(4)"]]
+    threading.Timer(1.0, lambda: marker.write_text("1:0\n")).start()
+    # Retired after one restart, but 2 servers on other nodes still meet min_servers=2: serve on.
+    assert task.serve(crasher, done_marker=marker, token="1:0", poll_s=0.05, urls=["http://127.0.0.1:9"],
+                      max_restarts=1, min_servers=2, servers_elsewhere=2) == 0
+    # Alone below min_servers: the role ends with the server's exit status, so the job ends too.
+    assert task.serve(crasher, done_marker=marker, token="2:0", poll_s=0.05, urls=["http://127.0.0.1:9"],
+                      max_restarts=1, min_servers=2, servers_elsewhere=1) == 4
+
+
+def test_a_campaign_stage_needs_min_servers_servers():
+    import dataclasses
+
+    from recipes.campaigns import llama31_8b
+
+    stage = llama31_8b(output_dir="runs/l8").stage("rl-grpo")
+    assert stage.resources.rollout is not None
+    count = stage.resources.rollout.nodes * stage.resources.rollout.servers_per_node
+    rollout = dataclasses.replace(stage.config.rollout, min_servers=count + 1)
+    with pytest.raises(ConfigError, match=f"config.rollout.min_servers: {count + 1} exceeds the {count} servers"):
+        dataclasses.replace(stage, config=dataclasses.replace(stage.config, rollout=rollout))
