@@ -267,7 +267,7 @@ def build_gpt_model(
         if spec.rope_scaling is not None
         else {}
     )
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=spec.vocab_size,
@@ -280,3 +280,10 @@ def build_gpt_model(
         rotary_base=spec.rope_theta,
         **rope_scaling,
     )
+    if not config.use_cpu_initialization:
+        # megatron allocates its parallel linear and embedding weights on the current CUDA device,
+        # but the torch norms of the local spec (no TE or APEX) on torch's default device, the CPU;
+        # megatron's optimizer then refuses the mix. Megatron-LM's own get_model moves the whole
+        # module the same way. The current device is this rank's GPU (ParallelContext sets it).
+        model.cuda(torch.cuda.current_device())
+    return model
