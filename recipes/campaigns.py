@@ -28,6 +28,7 @@ from pipeline.config import (
     RLConfig,
     TrainerConfig,
 )
+from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import (
     CampaignPlan,
     ConvertConfig,
@@ -37,7 +38,7 @@ from pipeline.launch.campaign import (
     wire_campaign,
 )
 from pipeline.launch.demo import VARIANTS as DEMO_VARIANTS
-from recipes.cpu import default_cpu, grpo_cpu
+from recipes.cpu import default_cpu, grpo_cpu, methods_cpu
 from recipes.stages import (
     bootstrap_cpu,
     curate_cpu,
@@ -59,9 +60,19 @@ def _tiny_rl(cfg: RLConfig) -> RLConfig:
     )
 
 
+# The variant trained on the curation's sources as they are: it neither waits for nor pays for the curation.
+UNCURATED_VARIANT = "default"
+
+
 def cpu_campaign(*, output_dir: str | Path = "runs/campaigns/cpu", tiny: bool = False,
                  steps: int | None = None) -> CampaignPlan:
-    """The CPU campaign: the demo's bootstrap policy, the combined default method vs GRPO.
+    """The CPU campaign: the demo's bootstrap policy and three RL variants with the same budget of steps.
+
+    - ``default``: the default chosen by the default race (``default_cpu``: plain GRPO) on the
+      uncurated stream, the curation's own sources;
+    - ``grpo``: plain GRPO on the curated prompts (the campaign's layout before the race);
+    - ``methods``: the combined methods stack (``methods_cpu``) on the curated prompts, with the
+      DEPO estimator trained on the curation.
 
     ``tiny``: every stage at toy size (a 40-step bootstrap cached under ``output_dir``,
     48 curated prompts, 2 RL steps per variant); the whole campaign takes minutes on 2 cores.
@@ -69,24 +80,42 @@ def cpu_campaign(*, output_dir: str | Path = "runs/campaigns/cpu", tiny: bool = 
     num_steps = steps if steps is not None else (2 if tiny else 100)
     group_size = 4 if tiny else 8
     variants = {"default": default_cpu(steps=num_steps, group_size=group_size),
-                "grpo": grpo_cpu(steps=num_steps, group_size=group_size)}
+                "grpo": grpo_cpu(steps=num_steps, group_size=group_size),
+                "methods": methods_cpu(steps=num_steps, group_size=group_size)}
     if tiny:
         variants = {name: _tiny_rl(cfg) for name, cfg in variants.items()}
         bootstrap = bootstrap_cpu(tiny=True, cache_dir=str(Path(output_dir).absolute() / "cache" / "bootstrap"))
     else:
         bootstrap = bootstrap_cpu()
-    return wire_campaign(
+    curate = curate_cpu(tiny=tiny)
+    plan = wire_campaign(
         name="cpu-tiny" if tiny else "cpu", output_dir=output_dir, bootstrap=bootstrap,
-        curate=curate_cpu(tiny=tiny), estimator=estimator_cpu(tiny=tiny), rl_variants=variants,
+        curate=curate, estimator=estimator_cpu(tiny=tiny), rl_variants=variants,
         evaluate=evaluate_cpu(tiny=tiny),
     )
+    return _train_uncurated(plan, variant=UNCURATED_VARIANT, sources=curate.sources, split=curate.split)
+
+
+def _train_uncurated(plan: CampaignPlan, *, variant: str, sources: list[str], split: str | None) -> CampaignPlan:
+    """``rl-<variant>`` trains on ``sources`` as they are: no curated prompts, no curation statistics,
+    and it depends only on the base policy, so the ledger charges it nothing before RL."""
+    name = f"rl-{variant}"
+    stage = plan.stage(name)
+    if stage.config.algorithm.prompt_filter == "depo":
+        raise ConfigError(f"{name}: the DEPO filter needs the estimator trained on the curation")
+    cfg = dataclasses.replace(stage.config, curation_dir=None,
+                              data=dataclasses.replace(stage.config.data, train=list(sources), split=split))
+    base = tuple(s.name for s in plan.stages if s.kind == "bootstrap")
+    rewired = dataclasses.replace(stage, config=cfg, depends_on=base)
+    return CampaignPlan(name=plan.name, output_dir=plan.output_dir,
+                        stages=[rewired if s.name == name else s for s in plan.stages])
 
 
 def demo_campaign(cfg: DemoConfig) -> CampaignPlan:
-    """``winnow demo``'s plan: ``cpu_campaign`` with the demo's evaluation settings on both variants."""
+    """``winnow demo``'s plan: ``cpu_campaign`` with the demo's evaluation settings on every variant."""
     plan = cpu_campaign(output_dir=cfg.output_dir, tiny=cfg.tiny, steps=cfg.steps)
     overrides = []
-    for variant in DEMO_VARIANTS:  # both variants the demo table compares
+    for variant in DEMO_VARIANTS:  # every variant the demo's tables report
         overrides += [f"evaluate-{variant}.eval.benchmarks={json.dumps(cfg.benchmarks)}",
                       f"evaluate-{variant}.eval.limit={cfg.eval_limit}",
                       f"evaluate-{variant}.eval.num_samples={cfg.eval_samples}",

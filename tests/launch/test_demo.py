@@ -30,25 +30,28 @@ def _demo_worker(rank, world_size, tmp):
 def test_demo_runs_the_campaign_and_reports(tmp_path):
     result, first, again = run_distributed(_demo_worker, world_size=1, args=(str(tmp_path),))[0]
     text = "\n".join(first)
-    for stage in ("bootstrap", "curate", "train-estimator", "rl-default", "rl-grpo", "evaluate-default",
+    for stage in ("bootstrap", "curate", "train-estimator", "rl-default", "rl-grpo", "rl-methods", "evaluate-default",
                   "export-default"):
         assert f"] {stage} (" in text, text
-    assert "| benchmark | metric | grpo | default | default − grpo |" in text
+    assert "| benchmark | metric | default | methods | methods − default |" in text
+    assert "| benchmark | metric | default | grpo | grpo − default |" in text
     assert ("| run | paid before RL | rollout tokens | evaluation tokens | campaign tokens | tokens with gradient | "
             "zero-variance groups | prompts filtered | RL wall time |") in text
     assert "base policy: held-out pass@1" in text and "tiny demo" in text
     assert "reloaded with transformers" in text
     assert isinstance(result["answer"], str)
-    assert set(result["runs"]) == {"grpo", "default"}
+    assert set(result["runs"]) == {"default", "grpo", "methods"}
     assert all(run["tokens_generated"] > 0 for run in result["runs"].values())
-    # Both variants paid for the curation; the default (DEPO) also for the estimator.
+    # The default trains on the uncurated prompts and pays nothing before RL; GRPO pays the curation,
+    # the methods stack (DEPO) also the estimator.
     runs = result["runs"]
-    assert runs["default"]["tokens_before_rl"] > runs["grpo"]["tokens_before_rl"] > 0
+    assert runs["methods"]["tokens_before_rl"] > runs["grpo"]["tokens_before_rl"] > runs["default"]["tokens_before_rl"]
+    assert runs["default"]["tokens_before_rl"] == 0
     assert all(run["campaign_tokens"] > run["tokens_before_rl"] + run["tokens_generated"] for run in runs.values())
     gsm8k = result["results"]["default"]["benchmarks"]["gsm8k"]
     assert gsm8k["num_problems"] + gsm8k["num_too_long"] == 4  # honestly counted, not silently dropped
     assert (tmp_path / "demo" / "pass_at_k.png").is_file()
-    assert sum("done before, skipped" in line for line in again) == 9
+    assert sum("done before, skipped" in line for line in again) == 12
 
 
 def test_base_policy_line_says_plainly_when_outside_the_band():

@@ -25,15 +25,15 @@ def test_tiny_cpu_campaign_runs_then_skips(tmp_path):
     stages = json.loads((tmp_path / "status.json").read_text())["stages"]
     assert {name: record["state"] for name, record in stages.items()} == dict.fromkeys(
         ["bootstrap", "curate", "train-estimator", "rl-default", "evaluate-default", "export-default", "rl-grpo",
-         "evaluate-grpo", "export-grpo"], "done")
-    for variant in ("default", "grpo"):
+         "evaluate-grpo", "export-grpo", "rl-methods", "evaluate-methods", "export-methods"], "done")
+    for variant in ("default", "grpo", "methods"):
         assert (tmp_path / "rl" / variant / "checkpoints" / "step_00000002").is_dir()
         assert json.loads((tmp_path / "eval" / variant / "results.json").read_text())["benchmarks"]
         assert (tmp_path / "export" / variant / "config.json").is_file()
     assert (tmp_path / "curate" / "kept.jsonl").stat().st_size > 0
 
     again = _launch("--recipe", "cpu-tiny", "--executor", "local", "--output-dir", str(tmp_path))
-    assert again.returncode == 0 and again.stdout.count("done before, skipped") == 9, again.stdout
+    assert again.returncode == 0 and again.stdout.count("done before, skipped") == 12, again.stdout
 
 
 @pytest.mark.slow

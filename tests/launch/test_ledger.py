@@ -33,7 +33,7 @@ def _write_campaign_outputs(plan, root):
     (root / "estimator" / "calibration.json").write_text(
         json.dumps({"num_encoded_tokens": {"train": 3_000, "inference": 700}}))
     # Row 0 is the initial evaluation (no ledger); the counts are cumulative, the last step holds the run's.
-    _write_rl_metrics(root / "rl" / "default" / "metrics.jsonl", [
+    _write_rl_metrics(root / "rl" / "methods" / "metrics.jsonl", [
         {"step": 0, "eval/pass@1": 0.4},
         _ledger_row(1, generated=500, gradient=100, zero_variance=1, groups=4),
         {**_ledger_row(2, generated=1_100, gradient=210, zero_variance=1, groups=8), "depo/encoded_tokens": 40}])
@@ -42,9 +42,9 @@ def _write_campaign_outputs(plan, root):
         _ledger_row(2, generated=800, gradient=800, zero_variance=5, groups=8)])
     with open(root / "rl" / "grpo" / "metrics.jsonl", "a") as file:
         file.write('{"step": 3, "ledger/tokens_gen')  # a running stage mid-way through appending a row
-    # evaluate-default records its count; evaluate-grpo only the mean per sample (older results.json).
-    (root / "eval" / "default").mkdir(parents=True)
-    (root / "eval" / "default" / "results.json").write_text(json.dumps({"benchmarks": {
+    # evaluate-methods records its count; evaluate-grpo only the mean per sample (older results.json).
+    (root / "eval" / "methods").mkdir(parents=True)
+    (root / "eval" / "methods" / "results.json").write_text(json.dumps({"benchmarks": {
         "a": {"num_generated_tokens": 64, "mean_generated_tokens": 8.0, "problems": {"n": [4, 4]}},
         "b": {"num_generated_tokens": 30, "mean_generated_tokens": 7.5, "problems": {"n": [2, 2]}}}}))
     (root / "eval" / "grpo").mkdir(parents=True)
@@ -63,20 +63,22 @@ def test_ledger_counts_every_stage_exactly(tmp_path):
     assert (stages["bootstrap"].total, stages["bootstrap"].with_gradient) == (0, 12_345)
     assert stages["curate"].generated == 100_000
     assert stages["train-estimator"].encoded == 3_700 and stages["train-estimator"].generated == 0
-    assert (stages["rl-default"].generated, stages["rl-default"].with_gradient) == (1_100, 210)
-    assert (stages["rl-default"].encoded, stages["rl-default"].note) == (40, "")  # DEPO's online estimator
+    assert (stages["rl-methods"].generated, stages["rl-methods"].with_gradient) == (1_100, 210)
+    assert (stages["rl-methods"].encoded, stages["rl-methods"].note) == (40, "")  # DEPO's online estimator
     assert (stages["rl-grpo"].zero_variance_groups, stages["rl-grpo"].groups) == (5, 8)
-    assert stages["evaluate-default"].generated == 94 and stages["evaluate-default"].note == ""
+    assert stages["evaluate-methods"].generated == 94 and stages["evaluate-methods"].note == ""
     assert stages["evaluate-grpo"].generated == 50 and "no num_generated_tokens" in stages["evaluate-grpo"].note
     assert ledger.total == 100_000 + 3_700 + 1_100 + 40 + 800 + 94 + 50  # shared stages once
 
-    # The default variant filters with DEPO, so it paid for the estimator before RL; GRPO did not.
-    default, grpo = ledger.variant_cost("default"), ledger.variant_cost("grpo")
-    assert (default.before_rl, default.rl, default.evaluation, default.total) == (103_700, 1_140, 94, 104_934)
+    # The methods variant filters with DEPO, so it paid for the estimator before RL; GRPO did not, and
+    # the default, trained on the uncurated prompts, paid for neither (the bootstrap generates nothing).
+    methods, grpo = ledger.variant_cost("methods"), ledger.variant_cost("grpo")
+    assert (methods.before_rl, methods.rl, methods.evaluation, methods.total) == (103_700, 1_140, 94, 104_934)
+    assert ledger.variant_cost("default").before_rl == 0
     assert (grpo.before_rl, grpo.rl, grpo.evaluation, grpo.total) == (100_000, 800, 50, 100_850)
     text = ledger.format()
     assert "campaign total" in text and "105,784" in text
-    assert "variant default: before RL 103,700 + RL 1,140 + evaluation 94 = 104,934" in text
+    assert "variant methods: before RL 103,700 + RL 1,140 + evaluation 94 = 104,934" in text
 
 
 def test_stages_not_run_yet_count_nothing_and_say_so(tmp_path):

@@ -54,3 +54,31 @@ def test_ada_seq_balance_trains_on_n4_with_a_larger_pool():
     cfg = RECIPES["ada_seq_balance_cpu"]()
     assert cfg.group_size == 4 and cfg.algorithm.ada_seq.max_samples == 16
     assert cfg.algorithm.advantage == "global_baseline" and cfg.algorithm.sampling == "ada_seq"
+
+
+def test_default_is_plain_grpo_and_methods_is_the_combined_stack():
+    from recipes.cpu import default_cpu, methods_cpu
+
+    # The default race found nothing cheaper than GRPO at GRPO's accuracy: the default is GRPO, config for config.
+    assert _flat(default_cpu(steps=7)) == _flat(grpo_cpu(steps=7))
+    methods = _flat(methods_cpu())
+    assert (methods["algorithm.prompt_filter"], methods["algorithm.sampling"], methods["algorithm.temperature"],
+            methods["algorithm.sample_selector"], methods["algorithm.token_weights"]) == (
+        "depo", "ada_seq", "e3", "d3s_cross", ["d3s_topk", "cw_grpo"])
+    assert methods["algorithm.ada_seq.max_samples"] == 4 * 8
+
+
+def test_only_a_variant_without_depo_can_skip_the_curation(tmp_path):
+    from pipeline.configlib import ConfigError
+    from recipes.campaigns import _train_uncurated, cpu_campaign
+
+    plan = cpu_campaign(output_dir=tmp_path, tiny=True)
+    sources = plan.stage("curate").config.sources
+    assert plan.stage("rl-default").config.data.train == sources
+    with pytest.raises(ConfigError, match="rl-methods: the DEPO filter needs the estimator"):
+        _train_uncurated(plan, variant="methods", sources=sources, split=None)
+    rewired = _train_uncurated(plan, variant="grpo", sources=sources, split="train")
+    grpo = rewired.stage("rl-grpo")
+    assert grpo.depends_on == ("bootstrap",) and grpo.config.curation_dir is None
+    assert (grpo.config.data.train, grpo.config.data.split) == (sources, "train")
+    assert rewired.stage("rl-methods") == plan.stage("rl-methods")  # the other stages are untouched

@@ -10,14 +10,14 @@ import yaml
 
 from pipeline import cli, configlib
 from pipeline.algorithms.e3 import e3_budget_bounds
+from pipeline.cli.presets import main as presets_main
 from pipeline.config import RLConfig
 from pipeline.data.sources import parse_spec
 from pipeline.rl.methods import D3S_SCHEDULE, build_methods
 from pipeline.rl.registry import MethodSetting
-from tests.recipes.test_cpu_recipes import _flat
-from pipeline.cli.presets import main as presets_main
 from recipes import papers
 from recipes.papers import MODELS, PAPER_PRESETS, build, write_yaml
+from tests.recipes.test_cpu_recipes import _flat
 
 RUN_DIR_KEYS = {"logging.output_dir", "checkpoint.directory"}
 QWEN_VOCAB = 151_936  # only sizes the E3 controller's Eq. 4 constant here
