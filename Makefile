@@ -26,8 +26,19 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(BIN)/winnow demo
 
+# Two passes (docs/testing.md): the single-process tests on two xdist workers, one file per
+# worker at a time (module fixtures are built once), files with slow tests first in the order
+# tests/conftest.py gives them (not xdist's biggest-file-first); then, alone, the tests that
+# already keep both cores busy or share one SLURM dev cluster (the distributed and serial
+# markers). Both passes run even when the first fails, and either failure fails the target.
+PARALLEL_TESTS := -m "not distributed and not serial and not campaign" -n 2 --dist loadfile --no-loadscope-reorder
+SERIAL_TESTS := -m "(distributed or serial) and not campaign"
+
 test: install
-	$(BIN)/python -m pytest
+	status=0; \
+	$(BIN)/python -m pytest $(PARALLEL_TESTS) || status=$$?; \
+	$(BIN)/python -m pytest $(SERIAL_TESTS) || status=$$?; \
+	exit $$status
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow and not campaign"

@@ -15,6 +15,26 @@ import pytest
 _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="winnow-test-cache-"))
 os.environ["WINNOW_CACHE"] = str(_SESSION_CACHE)
 
+# Under `make test` two xdist workers share the machine's two cores: one intra-op thread each
+# (and in every process they start), or each worker's matmuls would fight the other's for both
+# cores. Set before torch is first imported, which reads OMP_NUM_THREADS once.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under xdist, files with a ``slow`` test go first (each file keeping its own order).
+
+    ``--dist loadfile`` hands out files in collection order; a 90-s end-to-end file handed out
+    last runs alone on one worker while the other idles, which is the whole tail of the run.
+    Every worker sorts the same way, as xdist requires of their collections.
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: False (slow) sorts first
+
 
 def pytest_unconfigure(config) -> None:
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

@@ -66,6 +66,7 @@ def cache_dir(bootstrap_cache_dir) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_kill_9_of_a_two_rank_job_then_relaunch_matches_an_uninterrupted_job(tmp_path, cache_dir):
     # The base policy is trained by one process (shared with the other reliability tests);
     # both ranks of the two-rank jobs load it.

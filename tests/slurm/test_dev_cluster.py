@@ -26,7 +26,9 @@ from tests.slurm.cluster import (
     skip_reason,
 )
 
-pytestmark = pytest.mark.slow
+# serial: one dev cluster for the session, started by the first test that asks for it, and
+# timings (signal leads, requeue waits) that a second worker competing for the cores would skew.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 FINAL_STATES = {
     "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",

@@ -31,7 +31,9 @@ from recipes.cpu import grpo_cpu
 from recipes.stages import bootstrap_cpu, evaluate_cpu
 from tests.slurm.cluster import START_BUDGET_S, DevCluster
 
-pytestmark = pytest.mark.slow
+# serial: one dev cluster for the session, started by the first test that asks for it, and
+# timings (signal leads, requeue waits) that a second worker competing for the cores would skew.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,9 @@ from pipeline.launch.nemo import LaunchOptions, launch_campaign
 from tests.slurm.cluster import START_BUDGET_S, DevCluster
 from tests.slurm.test_launch_slurm import _logs, _tiny_rl_config, _trained_steps
 
-pytestmark = pytest.mark.slow
+# serial: one dev cluster for the session, started by the first test that asks for it, and
+# timings (signal leads, requeue waits) that a second worker competing for the cores would skew.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 FINAL_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "TIMEOUT"}
