@@ -1,6 +1,6 @@
 """Default race: which combination should the CPU campaign run, on total campaign tokens?
 
-    .venv/bin/python -m tools.bench.default_race                         # 4 methods, 3 seeds, 100 steps
+    .venv/bin/python -m tools.bench.default_race                         # every method, 3 seeds, 100 steps
     .venv/bin/python -m tools.bench.default_race --methods grpo_raw grpo_curated --seeds 1 --steps 20
 
 Every method trains the demo's bootstrap policy on one **mixed-difficulty pool**: ``arith``
@@ -17,7 +17,14 @@ rewards are all equal, the waste the methods claim to remove. Methods:
 - ``depo_d3s_cw_raw``: no offline curation; DEPO's online estimator (fresh, trained during the
   run) drops prompts before rollout, D³S selects samples and tokens, CW-GRPO weights them;
 - ``depo_e3_d3s_cw_raw``: the same with E3's rank budgets (B·G rollouts per step, conserved,
-  moved from easy to hard prompts; bounds widen each pass over the pool).
+  moved from easy to hard prompts; bounds widen each pass over the pool);
+- ``fast_depo_d3s_cw_raw``: ``depo_d3s_cw_raw`` with an estimator that learns ten times faster
+  and filters at P(all G rewards equal) > 0.5 instead of 0.9, against the zero-variance groups
+  the defaults left in place;
+- ``fast_depo_ada_est_d3s_cw_raw``: the same with Reinforce-Ada-Est budgets (B·G a step,
+  conserved, in [2, 2G]).
+
+The CPU campaign's default (``recipes.cpu.default_cpu``) is the method this race measured best.
 
 Cost = **total campaign tokens**, as the campaign ledger counts them (``pipeline.launch.ledger``):
 rollout tokens of the RL run up to an evaluation point, plus the tokens DEPO's online estimator
