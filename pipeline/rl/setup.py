@@ -259,10 +259,9 @@ def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_di
 
         # The two processes overlap while the engine generates ahead: each keeps to its share of the cores.
         trainer_threads, engine_threads = split_threads()
-        torch.set_num_threads(trainer_threads)
         engine = ProcessEngine(spec, eos_token_ids=tokenizer.eos_token_id, pad_token_id=pad_token_id(tokenizer),
                                num_threads=engine_threads)
-        return ProcessSyncedEngine(engine, bucket_bytes=bucket_bytes)
+        return ProcessSyncedEngine(engine, bucket_bytes=bucket_bytes, trainer_threads=trainer_threads)
     from pipeline.rollout.local import LocalEngine
 
     engine = LocalEngine(weight_sync.build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,

@@ -38,10 +38,21 @@ import torch
 from pipeline.models.spec import ModelSpec
 from pipeline.rollout.types import Completion, GenerationRequest, RolloutError, SamplingParams
 
-__all__ = ["ProcessEngine", "ProcessSyncedEngine", "split_threads"]
+__all__ = ["PROCESS_NAME", "ProcessEngine", "ProcessSyncedEngine", "split_threads"]
 
-# How often a wait on the child checks that it is still alive.
+# How often a wait on the child checks that it is still alive (and the child its parent).
 _POLL_S = 1.0
+PROCESS_NAME = b"winnow-rollout"  # the child's name in ps/top (/proc/<pid>/comm)
+
+
+def _name_process(name: bytes) -> None:
+    """Linux's prctl(PR_SET_NAME): every spawned child is otherwise just "python"."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)
+    except (AttributeError, OSError):  # not Linux: the name is cosmetic
+        pass
 
 
 def split_threads(num_cores: int | None = None) -> tuple[int, int]:
@@ -86,6 +97,7 @@ def _serve(spec: dict[str, Any], engine_kwargs: dict[str, Any], num_threads: int
     # handle: it checkpoints, which needs this process alive, then closes it.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    _name_process(PROCESS_NAME)
     torch.set_num_threads(num_threads)
     parent = multiprocessing.parent_process()
     try:
@@ -102,8 +114,10 @@ def _serve(spec: dict[str, Any], engine_kwargs: dict[str, Any], num_threads: int
         try:
             kind, payload = commands.get(timeout=_POLL_S)
         except queue.Empty:
-            if parent is not None and not parent.is_alive():  # the trainer was killed (kill -9): nothing to serve
-                return
+            if parent is not None and not parent.is_alive():
+                # The trainer was killed (kill -9). No cleanup: a normal exit would join the queues'
+                # feeder threads, which wait for a reader that is gone.
+                os._exit(0)
             continue
         if kind == "close":
             return
@@ -199,13 +213,19 @@ class ProcessEngine:
 
 
 class ProcessSyncedEngine:
-    """``ProcessEngine`` as a weight-sync transport: each sync streams the actor's buckets into it."""
+    """``ProcessEngine`` as a weight-sync transport: each sync streams the actor's buckets into it.
 
-    def __init__(self, engine: ProcessEngine, *, bucket_bytes: int) -> None:
+    While it is open the trainer's process runs ``trainer_threads`` torch threads (its share of
+    the cores, ``split_threads``); ``close`` restores the count it found.
+    """
+
+    def __init__(self, engine: ProcessEngine, *, bucket_bytes: int, trainer_threads: int) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.engine = engine
         self.bucket_bytes = bucket_bytes
+        self._previous_threads = torch.get_num_threads()
+        torch.set_num_threads(trainer_threads)
 
     def plan(self, version: int):  # noqa: ARG002 - every version travels the same way
         from pipeline.rollout.weight_sync import SyncPlan
@@ -225,3 +245,4 @@ class ProcessSyncedEngine:
 
     def close(self) -> None:
         self.engine.close()
+        torch.set_num_threads(self._previous_threads)

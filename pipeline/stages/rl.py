@@ -11,6 +11,11 @@ token selection, loss, temperature) and ``pipeline/rl/sampling.py`` (prompt filt
 budget, sampler); the loop never branches on a method name. Everything a step changes is
 in the checkpoint, and sampling seeds derive from (seed, step), so a resumed run
 reproduces an uninterrupted one bit for bit on CPU.
+
+With ``rollout.max_staleness=1`` the first two lines change places with the update: the
+step takes the batch generated during the previous step, pushes the weights, and starts
+generating the next batch (``StepAhead``) before its own update; the rest is the same loop
+(docs/rl.md, One-step-off-policy rollouts).
 """
 
 from __future__ import annotations

@@ -1,0 +1,139 @@
+"""One-step-off-policy rollouts against the synchronous loop: wall time per step and held-out pass@1.
+
+    .venv/bin/python -m tools.bench.staleness                      # 3 seeds x {0, 1}, 20 steps each
+    .venv/bin/python -m tools.bench.staleness --seeds 1 --steps 4  # a quick look
+
+Every run is ``recipes.cpu.grpo_cpu`` (GRPO on the demo's bootstrap policy) with
+``rollout.max_staleness`` 0 or 1 and nothing else changed: at 1 the local engine runs in a
+process of its own and generates step t+1 while step t updates (each process on half the
+cores), at 0 it runs in the trainer's process, generating between updates. Runs alternate
+staleness within a seed, so slow phases of a shared machine fall on both.
+
+Wall time per step is the sum of the step's timed phases (``time/*`` of ``metrics.jsonl``,
+without ``time/generate_ahead``, which overlaps the previous step), averaged over steps 2 to
+N−1: step 1 has nothing in flight (its batch is generated on the spot, on policy) and step N
+launches nothing and scores the held-out set. The phase breakdown is averaged the same way;
+``generate_and_grade`` (synchronous) and ``generate_wait`` (asynchronous: the part of the
+generation the update did not hide) are the phases to compare. Held-out pass@1 is the run's
+own evaluation at step N (``eval/pass@1``: ``--eval-limit`` problems of the difficulty-3
+test split, ``--eval-samples`` samples each, sampling seed = run seed).
+
+Output: ``<out>/staleness.json`` and a printed table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+STALENESS = (0, 1)
+
+
+def run_one(*, staleness: int, seed: int, steps: int, eval_limit: int, eval_samples: int, out: Path,
+            context) -> dict[str, Any]:
+    """One RL run; its per-step wall time and phases (steps 2..N-1) and its final held-out pass@1."""
+    from pipeline import configlib
+    from pipeline.config import RLConfig
+    from pipeline.metrics import read_metrics
+    from pipeline.stages.rl import run_rl
+    from recipes.cpu import grpo_cpu
+
+    run_dir = out / f"staleness{staleness}" / f"seed{seed}"
+    cfg = configlib.load(RLConfig, base=grpo_cpu(steps=steps), overrides=[
+        f"seed={seed}", f"rollout.max_staleness={staleness}", f"logging.output_dir={run_dir}",
+        f"checkpoint.directory={run_dir}/checkpoints", f"checkpoint.every_steps={steps}", "checkpoint.resume=never",
+        "logging.trackers=[]", "logging.progress=false", f"eval_limit={eval_limit}", f"eval_samples={eval_samples}",
+    ])
+    started = time.perf_counter()
+    run_rl(cfg, context=context)
+    run_seconds = time.perf_counter() - started
+    rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if 2 <= row["step"] <= steps - 1]
+    phases = sorted({key for row in rows for key in row if key.startswith("time/") and key != "time/generate_ahead"})
+    phase_means = {key.removeprefix("time/"): statistics.fmean(row.get(key, 0.0) for row in rows) for key in phases}
+    final = read_metrics(run_dir / "metrics.jsonl")[-1]
+    return {"staleness": staleness, "seed": seed, "step_seconds": sum(phase_means.values()), "phases": phase_means,
+            "generate_ahead": statistics.fmean(row.get("time/generate_ahead", 0.0) for row in rows),
+            "staleness_mean": statistics.fmean(row["rollout/staleness_mean"] for row in rows),
+            "pass_at_1": final["eval/pass@1"], "run_seconds": run_seconds}
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per staleness: mean and min–max of step time, pass@1 and phases; ratios 1 : 0 per seed."""
+    summary: dict[str, Any] = {}
+    for staleness in STALENESS:
+        runs = [r for r in results if r["staleness"] == staleness]
+        phases = sorted({name for r in runs for name in r["phases"]})
+        summary[str(staleness)] = {
+            "step_seconds": _spread([r["step_seconds"] for r in runs]),
+            "pass_at_1": _spread([r["pass_at_1"] for r in runs]),
+            "phases": {name: statistics.fmean(r["phases"].get(name, 0.0) for r in runs) for name in phases},
+            "generate_ahead": statistics.fmean(r["generate_ahead"] for r in runs),
+            "staleness_mean": statistics.fmean(r["staleness_mean"] for r in runs),
+        }
+    by_seed = {(r["staleness"], r["seed"]): r for r in results}
+    seeds = sorted({r["seed"] for r in results if (0, r["seed"]) in by_seed and (1, r["seed"]) in by_seed})
+    summary["step_time_ratio"] = _spread([by_seed[1, s]["step_seconds"] / by_seed[0, s]["step_seconds"] for s in seeds])
+    summary["pass_at_1_difference"] = _spread([by_seed[1, s]["pass_at_1"] - by_seed[0, s]["pass_at_1"] for s in seeds])
+    return summary
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    lines = ["max_staleness | s/step (mean, min-max) | held-out pass@1 (mean, min-max) | phases (s/step)"]
+    for staleness in STALENESS:
+        row = summary[str(staleness)]
+        step, score = row["step_seconds"], row["pass_at_1"]
+        phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in row["phases"].items())
+        lines.append(f"{staleness} | {step['mean']:.3f} ({step['min']:.3f}-{step['max']:.3f}) | "
+                     f"{score['mean']:.3f} ({score['min']:.3f}-{score['max']:.3f}) | {phases}")
+    ratio, difference = summary["step_time_ratio"], summary["pass_at_1_difference"]
+    lines.append(f"s/step ratio 1:0 per seed: {ratio['mean']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}); "
+                 f"pass@1 difference 1-0: {difference['mean']:+.3f} ({difference['min']:+.3f} to "
+                 f"{difference['max']:+.3f}); generation overlapped at 1: {summary['1']['generate_ahead']:.3f} s/step")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
+    parser.add_argument("--steps", type=int, default=20, help="RL steps per run (N)")
+    parser.add_argument("--eval-limit", type=int, default=200, help="held-out problems scored at step N")
+    parser.add_argument("--eval-samples", type=int, default=4, help="samples per held-out problem")
+    parser.add_argument("--out", default="runs/bench/staleness", help="output directory")
+    args = parser.parse_args(argv)
+    if args.steps < 3:
+        parser.error("--steps must be at least 3 (steps 2..N-1 are timed)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from pipeline.parallel.rendezvous import initialize_process_context
+
+    args = parse_args(argv)
+    out = Path(args.out)
+    context = initialize_process_context(seed=0)
+    results = []
+    for seed in range(args.seeds):
+        for staleness in STALENESS if seed % 2 == 0 else reversed(STALENESS):
+            result = run_one(staleness=staleness, seed=seed, steps=args.steps, eval_limit=args.eval_limit,
+                             eval_samples=args.eval_samples, out=out, context=context)
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    summary = summarize(results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "staleness.json").write_text(json.dumps({"runs": results, "summary": summary,
+                                                    "settings": vars(args)}, indent=2) + "\n")
+    print(format_table(summary))
+    print(f"wrote {out / 'staleness.json'}")
+
+
+if __name__ == "__main__":
+    main()
