@@ -18,13 +18,16 @@ generation the update did not hide) are the phases to compare. Held-out pass@1 i
 own evaluation at step N (``eval/pass@1``: ``--eval-limit`` problems of the difficulty-3
 test split, ``--eval-samples`` samples each, sampling seed = run seed).
 
-Output: ``<out>/staleness.json`` and a printed table.
+Resumable: each finished run writes ``<out>/runs/staleness<s>-seed<k>.json`` and is skipped when
+present (an interrupted run restarts from scratch). Output: ``<out>/staleness.json`` (settings,
+machine, every run, the summary), ``<out>/staleness.png`` and a printed table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from collections.abc import Sequence
@@ -52,10 +55,13 @@ def run_one(*, staleness: int, seed: int, steps: int, eval_limit: int, eval_samp
     started = time.perf_counter()
     run_rl(cfg, context=context)
     run_seconds = time.perf_counter() - started
+    final = read_metrics(run_dir / "metrics.jsonl")[-1]
+    if final["step"] != steps:  # run_rl honoured SIGTERM/SIGUSR1: a partial run measures nothing
+        raise SystemExit(f"[staleness] max_staleness={staleness} seed {seed} stopped at step {final['step']}; "
+                         "rerun the benchmark to redo it")
     rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if 2 <= row["step"] <= steps - 1]
     phases = sorted({key for row in rows for key in row if key.startswith("time/") and key != "time/generate_ahead"})
     phase_means = {key.removeprefix("time/"): statistics.fmean(row.get(key, 0.0) for row in rows) for key in phases}
-    final = read_metrics(run_dir / "metrics.jsonl")[-1]
     return {"staleness": staleness, "seed": seed, "step_seconds": sum(phase_means.values()), "phases": phase_means,
             "generate_ahead": statistics.fmean(row.get("time/generate_ahead", 0.0) for row in rows),
             "staleness_mean": statistics.fmean(row["rollout/staleness_mean"] for row in rows),
@@ -115,7 +121,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    import torch
+
+    from pipeline.io import atomic_write_json
     from pipeline.parallel.rendezvous import initialize_process_context
+    from tools.bench.report import Panel, save
 
     args = parse_args(argv)
     out = Path(args.out)
@@ -123,16 +133,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = []
     for seed in range(args.seeds):
         for staleness in STALENESS if seed % 2 == 0 else reversed(STALENESS):
-            result = run_one(staleness=staleness, seed=seed, steps=args.steps, eval_limit=args.eval_limit,
-                             eval_samples=args.eval_samples, out=out, context=context)
+            done = out / "runs" / f"staleness{staleness}-seed{seed}.json"
+            if done.is_file():
+                result = json.loads(done.read_text())
+            else:
+                shutil.rmtree(out / f"staleness{staleness}" / f"seed{seed}", ignore_errors=True)
+                result = run_one(staleness=staleness, seed=seed, steps=args.steps, eval_limit=args.eval_limit,
+                                 eval_samples=args.eval_samples, out=out, context=context)
+                done.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(done, result)
             print(json.dumps(result), flush=True)
             results.append(result)
     summary = summarize(results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "staleness.json").write_text(json.dumps({"runs": results, "summary": summary,
-                                                    "settings": vars(args)}, indent=2) + "\n")
     print(format_table(summary))
-    print(f"wrote {out / 'staleness.json'}")
+    names = {str(s): f"max_staleness={s}" for s in STALENESS}
+    save(out, "staleness", settings=vars(args), results={"runs": results, "summary": summary},
+         threads=torch.get_num_threads(), title=f"One-step-off-policy rollouts: grpo_cpu, {args.steps} steps, "
+         f"{args.seeds} seeds", panels=[
+             Panel(title="wall time per RL step (steps 2..N-1, mean over seeds)", xlabel="seconds",
+                   bars={names[s]: summary[s]["step_seconds"]["mean"] for s in names},
+                   markers={names[s]: summary[s]["step_seconds"]["min"] for s in names}, marker_label="fastest seed"),
+             Panel(title=f"held-out pass@1 after {args.steps} steps (mean over seeds)", xlabel="pass@1",
+                   bars={names[s]: summary[s]["pass_at_1"]["mean"] for s in names},
+                   markers={names[s]: summary[s]["pass_at_1"]["min"] for s in names}, marker_label="lowest seed"),
+         ])
 
 
 if __name__ == "__main__":
