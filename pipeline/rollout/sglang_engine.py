@@ -465,6 +465,11 @@ class SGLangEngine:
         """The servers the next weight update goes to: the live ones and the stale ones it brings back."""
         return [s.url for s in self._syncable()]
 
+    @property
+    def server_failures(self) -> dict[str, int]:
+        """URL → how many times it failed so far (a restarted server has failed at least once more)."""
+        return {s.url: s.failures for s in self._servers}
+
     def metrics(self) -> dict[str, float]:
         """Server counts by state and the recoveries so far (``rollout/...`` metrics of a step)."""
         counts = {state: 0 for state in ("live", "down", "stale", "retired")}
@@ -593,9 +598,13 @@ class SGLangEngine:
             last_error = why
             await asyncio.sleep(self.config.health_poll_s)
 
-    async def _check_servers(self, client: httpx.AsyncClient) -> None:
+    async def _check_servers(self, client: httpx.AsyncClient, *, before_update: bool = False) -> None:
         """One pass over the servers: a live one that is unreachable or serves another weight version
-        (it restarted since the last call) goes down; a down one gets one recovery try."""
+        (it restarted since the last call) goes down; a down one gets one recovery try.
+
+        ``before_update``: a server *ahead* of the engine's version holds part of an update that
+        failed elsewhere; the coming update replaces it, so only servers behind (restarted) go down.
+        """
         live = self._live()
         outcomes = await asyncio.gather(*(self._served_version(client, s) for s in live), return_exceptions=True)
         for server, outcome in zip(live, outcomes):
@@ -603,7 +612,7 @@ class SGLangEngine:
                 raise outcome
             if isinstance(outcome, BaseException):
                 self._drop(server, f"{api.MODEL_INFO_PATH} failed: {outcome}")
-            elif outcome != self._weight_version:
+            elif outcome < self._weight_version or (outcome != self._weight_version and not before_update):
                 self._drop(server, f"serves weight version {outcome}, not {self._weight_version} (restarted?)")
         down = [s for s in self._servers if s.state == "down"]
         whys = await asyncio.gather(*(self._recover_once(client, s) for s in down))
@@ -611,15 +620,15 @@ class SGLangEngine:
             if why is not None:
                 self._recovery_overdue(server, why)
 
-    def check_servers(self) -> None:
+    def check_servers(self, *, before_update: bool = False) -> None:
         """Take down every live server that restarted or stopped answering since the last call, and give
         every down one a recovery try, without waiting. ``generate`` starts with this pass; a
-        weight sync calls it first so that a restarted server is not taken for a member of the
-        update group. ``RolloutError`` once fewer than ``min_servers`` are left."""
+        weight sync calls it first (``before_update``) so that a restarted server is not taken for
+        a member of the update group. ``RolloutError`` once fewer than ``min_servers`` are left."""
 
         async def run() -> None:
             async with self._client() as client:
-                await self._check_servers(client)
+                await self._check_servers(client, before_update=before_update)
 
         _run_sync(run())
         self._check_enough()

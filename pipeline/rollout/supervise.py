@@ -11,7 +11,9 @@ the ``serve`` role of a campaign's rollout nodes (``pipeline.launch.task.serve``
   scheduler behind a live HTTP front end fails it, and a stopped process (``SIGSTOP``, a stuck
   driver call), whose kernel still accepts the connection, never answers. ``max_failed_probes``
   failures in a row mark the server hung: its process group gets ``SIGKILL`` (a hung process
-  ignores ``SIGTERM``) and it is started again;
+  ignores ``SIGTERM``) and it is started again. A scheduler busy loading weights answers no
+  probe either (about a minute for a 7B folder from disk, seconds by broadcast), so the default
+  window, 6 probes of up to 30 s each, is about three minutes;
 * gives a (re)started server ``startup_timeout_s`` to answer its first probe (a 7B server loads
   in one to three minutes), then treats it as hung.
 
@@ -92,7 +94,7 @@ class Supervisor:
         health_path: str = HEALTH_GENERATE_PATH,
         probe_timeout_s: float = 30.0,
         probe_interval_s: float = 10.0,
-        max_failed_probes: int = 2,
+        max_failed_probes: int = 6,
         startup_timeout_s: float = 1800.0,
         env: Mapping[str, str] | None = None,
     ) -> None:

@@ -285,18 +285,19 @@ class DistributedSyncedEngine(_Wrapped):
         self.server_ranks = server_ranks
         self.timeout_s = timeout_s
         self._group: UpdateGroup | None = None
-        self._members: list[str] = []  # the servers in the current group
+        self._members: list[tuple[str, int]] = []  # (URL, failures so far) of the servers in the current group
         self._groups_formed = 0
 
     def plan(self, version: int) -> SyncPlan:
         return SyncPlan(transport="distributed", bucket_bytes=self.bucket_bytes)
 
     def _connect(self) -> UpdateGroup:
-        members = self.engine.servers_to_sync
+        failures = self.engine.server_failures
+        members = [(url, failures[url]) for url in self.engine.servers_to_sync]
         if self._group is not None and members == self._members:
             return self._group
-        # A server came back (restarted, weights behind): a new group with it. The old one is left
-        # to the servers still in it; SGLang holds one per name.
+        # A member failed since the group formed (a restarted process is no member of it) or left:
+        # a new group. The old one is left to the servers still in it; SGLang holds one per name.
         self._disconnect()
         world_size = 1 + len(members) * self.server_ranks
         port = free_port()
@@ -329,7 +330,7 @@ class DistributedSyncedEngine(_Wrapped):
         try:
             # A server restarted since the last sync is no member of the group any more: it is found
             # here (it reports its launch weights) and joins the new group this sync forms.
-            self.engine.check_servers()
+            self.engine.check_servers(before_update=True)
             group = self._connect()
             self.engine.begin_weight_update(version=version)
         except (RolloutError, RuntimeError) as failure:

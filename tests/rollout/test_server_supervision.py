@@ -60,7 +60,8 @@ def _engine_config(**overrides: Any) -> SGLangClientConfig:
 class Fleet:
     """Fake servers on fixed ports under a supervisor running in a background thread."""
 
-    def __init__(self, tmp_path: Path, flags: list[list[str]], *, max_restarts: int) -> None:
+    def __init__(self, tmp_path: Path, flags: list[list[str]], *, max_restarts: int, probe_timeout_s: float = 1.0,
+                 max_failed_probes: int = 3) -> None:
         ports = _free_ports(len(flags))
         self.urls = [f"http://127.0.0.1:{port}" for port in ports]
         self.logs = [tmp_path / f"server{i}.jsonl" for i in range(len(flags))]
@@ -71,8 +72,10 @@ class Fleet:
             for i, (port, url, log, extra) in enumerate(zip(ports, self.urls, self.logs, flags))
         ]
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        self.supervisor = Supervisor(commands, max_restarts=max_restarts, probe_timeout_s=0.5, probe_interval_s=0.1,
-                                     max_failed_probes=2, startup_timeout_s=30.0, env=env)
+        # A probe may wait a while on a loaded machine; a stopped server still fails max_failed_probes within seconds.
+        self.supervisor = Supervisor(commands, max_restarts=max_restarts, probe_timeout_s=probe_timeout_s,
+                                     probe_interval_s=0.1, max_failed_probes=max_failed_probes, startup_timeout_s=30.0,
+                                     env=env)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.supervisor.run, kwargs={"until": self._stop.is_set}, daemon=True)
 
@@ -262,3 +265,61 @@ def test_a_campaign_stage_needs_min_servers_servers():
     rollout = dataclasses.replace(stage.config.rollout, min_servers=count + 1)
     with pytest.raises(ConfigError, match=f"config.rollout.min_servers: {count + 1} exceeds the {count} servers"):
         dataclasses.replace(stage, config=dataclasses.replace(stage.config, rollout=rollout))
+
+
+def _version_buckets(version: int) -> list[list[tuple[str, Any]]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(version)
+    return [[("model.a", torch.randn(4, 3, generator=generator)), ("model.b", torch.randn(5, generator=generator))],
+            [("model.c", torch.randn(2, 2, generator=generator))]]
+
+
+def _distributed_worker(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
+    import torch
+
+    from pipeline.rollout.weight_sync import DistributedSyncedEngine
+
+    tmp = Path(tmp_dir)
+    flags = [["--join-groups", "--group-timeout-s", "10", "--weights-out", str(tmp / f"server{i}.safetensors")]
+             for i in range(2)]
+    # A fake server joining a gloo group answers no probe until every member joined: a wide hang window.
+    with Fleet(tmp, flags, max_restarts=1, probe_timeout_s=2.0, max_failed_probes=5) as fleet:
+        client = SGLangEngine.attach(fleet.urls, config=_engine_config(max_server_failures=1))
+        engine = DistributedSyncedEngine(client, bucket_bytes=1 << 20, backend="gloo", master_address="127.0.0.1",
+                                         server_ranks=1, timeout_s=30.0)
+        engine.consume(iter(_version_buckets(1)), version=1)
+        first_pid = fleet.supervisor.pids[1]
+        os.kill(first_pid, signal.SIGKILL)  # between two steps: no request in flight
+        completions = client.generate(_requests(1), PARAMS)
+        _assert_exact_delivery(completions, _requests(1), version=1)
+        client.recover_servers()
+        stale = dict(client.metrics())
+        new_pid = fleet.supervisor.pids[1]
+        engine.consume(iter(_version_buckets(2)), version=2)
+        from safetensors.torch import load_file
+
+        received = load_file(str(tmp / "server1.safetensors"))
+        expected = dict(pair for bucket in _version_buckets(2) for pair in bucket)
+        completions = client.generate(_requests(2), PARAMS)
+        _assert_exact_delivery(completions, _requests(2), version=2)
+        paths = [r["path"] for r in fleet.records(1) if r["pid"] == new_pid]
+        engine.close()
+        return {"stale": stale, "restarted": new_pid != first_pid, "live": client.live_servers, "urls": fleet.urls,
+                "equal": received.keys() == expected.keys() and all(torch.equal(received[k], v)
+                                                                   for k, v in expected.items()),
+                "paths": paths}
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_server_rejoins_a_new_update_group_before_it_serves(tmp_path):
+    from tests.distributed_utils import run_distributed
+
+    outcome = run_distributed(_distributed_worker, world_size=1, args=(str(tmp_path),), timeout_s=100.0)[0]
+    assert outcome["restarted"]
+    # Healthy again but at its launch weights: out of the rotation until the next sync.
+    assert outcome["stale"]["rollout/servers_stale"] == 1.0 and outcome["stale"]["rollout/servers_live"] == 1.0
+    assert outcome["equal"] and outcome["live"] == outcome["urls"]
+    paths = outcome["paths"]
+    assert paths[0] == "/init_weights_update_group" and "/generate" in paths
+    assert paths.index("/end_weight_update") < paths.index("/generate")
