@@ -407,7 +407,7 @@ class RolloutConfig:
     )
     max_server_failures: int = option(
         3, ge=0, help="sglang: times a server may die or hang and be restarted and re-synced; its next failure "
-        "retires it (also the launcher's restart budget per server)"
+        "retires it (also the restart budget per server of the serve role)"
     )
     server_recovery_timeout_s: float = option(
         1800.0, gt=0.0, help="sglang: how long after a failure a server has to answer /health again (a restart: "

@@ -529,8 +529,10 @@ class SGLangEngine:
         """``RolloutError`` once retirements leave fewer than ``min_servers`` servers."""
         remaining = sum(s.state != "retired" for s in self._servers)
         if remaining < self.config.min_servers:
-            left = "no SGLang server left" if remaining == 0 else f"only {remaining} SGLang servers left"
-            raise RolloutError(f"{left} of {len(self._servers)}, below rollout.min_servers={self.config.min_servers}; "
+            n = len(self._servers)
+            left = f"no SGLang server left (all {n} retired)" if remaining == 0 else (
+                f"only {remaining} of {n} SGLang servers left")
+            raise RolloutError(f"{left}, below rollout.min_servers={self.config.min_servers}; "
                                f"retired: {self.retired_servers}")
 
     async def _served_version(self, client: httpx.AsyncClient, server: _Server) -> int:

@@ -208,7 +208,7 @@ def test_below_min_servers_the_run_fails_with_one_clear_error(tmp_path):
     try:
         engine = SGLangEngine.attach([s.url for s in servers], config=_engine_config(max_server_failures=0,
                                                                                        min_servers=2))
-        with pytest.raises(RolloutError, match=r"only 1 SGLang servers left of 2, below rollout.min_servers=2; "
+        with pytest.raises(RolloutError, match=r"only 1 of 2 SGLang servers left, below rollout.min_servers=2; "
                                                r"retired: \{'http://127.0.0.1:\d+': 'failure 1 \(max_server_failures=0\)"):
             engine.generate(_requests(0), PARAMS)
     finally:
