@@ -1,10 +1,15 @@
-"""On the real dev cluster: a user error ends the job without a requeue; a killed task is requeued and resumes.
+"""On the real dev cluster: a user error ends the job without a requeue; a stop and a kill are requeued.
 
 Both jobs are rl stages launched the way ``winnow launch`` does (NeMo-Run's sbatch script with
 winnow's requeue trap, ``requeues=2``). The first points at a checkpoint that does not exist
 and runs two ranks under torchrun, so the rank's exit 2 must survive torchrun's rewrap to 1.
-The second is SIGKILLed after its first periodic checkpoint: srun reports 137, the trap
-requeues, and the second attempt resumes from the latest checkpoint to the last step.
+The second is stopped twice, each way a job is requeued, in one job so that the cluster's
+requeue delay and the job's start-up are paid once per attempt rather than per test:
+SIGUSR1 mid-run (what ``--signal=USR1@N`` sends before the time limit) makes the first attempt
+checkpoint the step it stopped after and exit 75; the second attempt resumes from it and is
+SIGKILLed after its next periodic checkpoint, so srun reports 137 with no checkpoint of its
+own; the trap requeues both, and the third attempt resumes from the latest checkpoint to the
+last step.
 """
 
 from __future__ import annotations
@@ -92,35 +97,59 @@ def test_a_user_error_through_torchrun_exits_2_and_is_not_requeued(launch_profil
     assert str(missing) in status["error"]
 
 
-@pytest.mark.timeout(START_BUDGET_S + 600)
-def test_a_killed_task_is_requeued_and_resumes(launch_profile, slurm_cluster: DevCluster, bootstrap_cache_dir,
-                                               tmp_path):
-    num_steps, every = 8, 2
+def _latest_step(checkpoints: Path) -> int | None:
+    try:
+        return int((checkpoints / "latest").read_text().strip().removeprefix("step_"))
+    except (FileNotFoundError, ValueError):
+        return None  # none yet, or read while being replaced
+
+
+@pytest.mark.timeout(START_BUDGET_S + 900)
+def test_usr1_then_a_killed_task_are_each_requeued_and_the_job_resumes(launch_profile, slurm_cluster: DevCluster,
+                                                                       bootstrap_cache_dir, tmp_path):
+    # Enough steps that each stop lands mid-run: a tiny step takes tens of milliseconds on an
+    # idle machine, and several could finish between a poll and the signal.
+    num_steps, every = 30, 2
     cfg = _tiny_rl_config(tmp_path, steps=num_steps, cache=bootstrap_cache_dir)
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=every))
     job_id = _submit(Stage(name="rl", kind="rl", config=cfg, resources=Resources(requeues=2)), tmp_path=tmp_path,
                      profile=launch_profile)
-    first_checkpoint = Path(cfg.checkpoint.directory) / f"step_{every:08d}"
+    checkpoints, metrics = Path(cfg.checkpoint.directory), tmp_path / "rl" / "metrics.jsonl"
     deadline = time.monotonic() + 400
-    while not first_checkpoint.is_dir():
-        assert time.monotonic() < deadline, f"no checkpoint after 400 s\n{_logs(tmp_path)}"
+    while not (metrics.exists() and any('"loss"' in line for line in metrics.read_text().splitlines())):
+        assert time.monotonic() < deadline, f"no RL step after 400 s\n{_logs(tmp_path)}"
+        time.sleep(0.05)
+
+    # Attempt 1: SIGUSR1 to every process of the job's steps; the stage checkpoints and exits 75.
+    slurm_cluster.slurm("scancel", "--signal=USR1", str(job_id))
+    record = slurm_cluster.wait_for_job(job_id, lambda r: r.get("Restarts") == "1" or r["JobState"] in FINAL_STATES,
+                                        timeout_s=300, what="requeued or finished")
+    assert record.get("Restarts") == "1", (record, _logs(tmp_path))
+    stopped_step = _latest_step(checkpoints)
+    assert stopped_step is not None and stopped_step < num_steps, (stopped_step, _logs(tmp_path))
+
+    # Attempt 2: resumed from the stop's checkpoint; killed after its next periodic one.
+    deadline = time.monotonic() + 400
+    while (_latest_step(checkpoints) or 0) <= stopped_step:
+        assert time.monotonic() < deadline, f"no checkpoint after step {stopped_step} in 400 s\n{_logs(tmp_path)}"
         time.sleep(0.05)
     pids = _node_pids(tmp_path)
     assert len(pids) == 1, (pids, _logs(tmp_path))
     os.kill(pids[0], signal.SIGKILL)  # what an OOM killer or a dying rank does: no checkpoint, no exit code
-    checkpoints = Path(cfg.checkpoint.directory)
-    resume_step = int((checkpoints / "latest").read_text().strip().removeprefix("step_"))
-    # The rows up to the checkpoint, as the first attempt wrote them (time/* wall times included).
-    first_rows = _rows_up_to(tmp_path / "rl" / "metrics.jsonl", resume_step)
+    resume_step = _latest_step(checkpoints)
+    # The rows up to the checkpoint, as attempts 1 and 2 wrote them (time/* wall times included).
+    first_rows = _rows_up_to(metrics, resume_step)
+
+    # Attempt 3: resumed from the periodic checkpoint to the last step.
     record = slurm_cluster.wait_for_job(job_id, lambda r: r["JobState"] == "COMPLETED", timeout_s=400,
                                         what="completed")
-    assert record["Restarts"] == "1", (record, _logs(tmp_path))
+    assert record["Restarts"] == "2", (record, _logs(tmp_path))
     status = CampaignStatus(tmp_path).read()["rl"]
-    assert (status["state"], status["attempts"], status["restarts"]) == ("done", 2, 1), (status, _logs(tmp_path))
-    assert resume_step >= every and resume_step % every == 0 and resume_step < num_steps
-    # Resumed, not restarted: the rows up to the checkpoint are the first attempt's bytes (a rerun
+    assert (status["state"], status["attempts"], status["restarts"]) == ("done", 3, 2), (status, _logs(tmp_path))
+    assert stopped_step < resume_step < num_steps and resume_step % every == 0, (stopped_step, resume_step)
+    # Resumed, not restarted: the rows up to the checkpoint are the earlier attempts' bytes (a rerun
     # from step 1 would rewrite them with new wall times); the rest were logged once, to the last step.
     assert len(first_rows) >= resume_step + 1  # the step-0 evaluation and a row per step
-    assert _rows_up_to(tmp_path / "rl" / "metrics.jsonl", resume_step) == first_rows
+    assert _rows_up_to(metrics, resume_step) == first_rows
     assert _trained_steps(tmp_path / "rl") == list(range(1, num_steps + 1))
     assert (checkpoints / f"step_{num_steps:08d}").is_dir()
