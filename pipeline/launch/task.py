@@ -142,13 +142,12 @@ def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, p
     """
     from pipeline.rollout.supervise import ServerCommand, Supervisor
 
-    probe = bool(urls)
-    addresses = list(urls) if probe else ["http://127.0.0.1:0"] * len(commands)
+    addresses: list[str | None] = list(urls) if urls else [None] * len(commands)
     if len(addresses) != len(commands):
         raise ValueError(f"{len(commands)} server commands but {len(addresses)} URLs")
     supervisor = Supervisor([ServerCommand(command=tuple(c), url=u) for c, u in zip(commands, addresses)],
-                            max_restarts=max_restarts, probe=probe, probe_timeout_s=health_timeout_s,
-                            probe_interval_s=poll_s, startup_timeout_s=startup_timeout_s)
+                            max_restarts=max_restarts, probe_timeout_s=health_timeout_s, probe_interval_s=poll_s,
+                            startup_timeout_s=startup_timeout_s)
     with supervisor:
         while not (done_marker.is_file() and done_marker.read_text().strip() == token):
             started = time.monotonic()
@@ -156,7 +155,8 @@ def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, p
             if supervisor.num_active + servers_elsewhere < min_servers:
                 print(f"rollout servers: {supervisor.num_active} of {len(commands)} left on this node, "
                       f"{servers_elsewhere} elsewhere, below rollout.min_servers={min_servers}", file=sys.stderr)
-                return supervisor.last_exit or 1
+                code = supervisor.last_exit
+                return code if code is not None and code > 0 else 1  # killed by a signal (negative): 1
             time.sleep(max(0.0, poll_s - (time.monotonic() - started)))
     return 0
 

@@ -52,18 +52,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ServerCommand:
-    """One server: the argv that starts it and the base URL it answers at once up."""
+    """One server: the argv that starts it and the base URL it answers at once up (None: not probed)."""
 
     command: tuple[str, ...]
-    url: str
+    url: str | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("ServerCommand.command is empty")
-        if not self.url.startswith(("http://", "https://")):
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"ServerCommand.url {self.url!r} must start with http:// or https://")
         object.__setattr__(self, "command", tuple(self.command))
-        object.__setattr__(self, "url", self.url.rstrip("/"))
+        object.__setattr__(self, "url", None if self.url is None else self.url.rstrip("/"))
 
 
 @dataclass(eq=False)
@@ -81,8 +81,8 @@ class _Supervised:
 class Supervisor:
     """Starts, probes, restarts and retires a node's server processes; see the module docstring.
 
-    ``probe=False`` watches the processes only (restart on exit, no hang detection). ``env``:
-    the servers' environment (None: this process's).
+    Servers without a URL are not probed: only their exits are seen (no hang detection).
+    ``env``: the servers' environment (None: this process's).
     """
 
     def __init__(
@@ -90,7 +90,6 @@ class Supervisor:
         servers: Sequence[ServerCommand],
         *,
         max_restarts: int,
-        probe: bool = True,
         health_path: str = HEALTH_GENERATE_PATH,
         probe_timeout_s: float = 30.0,
         probe_interval_s: float = 10.0,
@@ -109,7 +108,6 @@ class Supervisor:
                 raise ValueError(f"Supervisor {name} must be > 0, got {value}")
         self._servers = [_Supervised(spec=spec) for spec in servers]
         self.max_restarts = max_restarts
-        self.probe = probe
         self.health_path = health_path
         self.probe_timeout_s = probe_timeout_s
         self.probe_interval_s = probe_interval_s
@@ -187,7 +185,7 @@ class Supervisor:
 
     def check(self) -> None:
         """One round: restart the exited servers, probe the running ones, restart the hung ones."""
-        running = []
+        running: list[_Supervised] = []
         for server in self._servers:
             if server.retired or server.process is None:
                 continue
@@ -195,9 +193,9 @@ class Supervisor:
             if code is not None:
                 server.last_exit = code
                 self._failed(server, f"exited with code {code}")
-            else:
+            elif server.spec.url is not None:
                 running.append(server)
-        if not self.probe or not running:
+        if not running:
             return
         errors = list(self._pool.map(self._probe, running))
         now = time.monotonic()
@@ -214,6 +212,7 @@ class Supervisor:
                     self._failed(server, f"hung: {server.failed_probes} health probes failed in a row, last: {error}")
 
     def _probe(self, server: _Supervised) -> str | None:
+        assert server.spec.url is not None
         try:
             response = self._client.get(server.spec.url + self.health_path)
         except httpx.HTTPError as error:
@@ -230,10 +229,10 @@ class Supervisor:
             server.retired = True
             server.process = None  # reaped: its group id may be reused, so it is never signalled again
             logger.error("retiring rollout server %s after %d restarts (max_server_failures=%d): %s",
-                         server.spec.url, server.restarts, self.max_restarts, reason)
+                         self._name(server), server.restarts, self.max_restarts, reason)
             return
         server.restarts += 1
-        logger.warning("restarting rollout server %s (restart %d of %d): %s", server.spec.url, server.restarts,
+        logger.warning("restarting rollout server %s (restart %d of %d): %s", self._name(server), server.restarts,
                        self.max_restarts, reason)
         self._start(server)
 
@@ -244,6 +243,10 @@ class Supervisor:
         server.started_at = time.monotonic()
         server.healthy = False
         server.failed_probes = 0
+
+    @staticmethod
+    def _name(server: _Supervised) -> str:
+        return server.spec.url or " ".join(server.spec.command[:6])
 
     @staticmethod
     def _signal(server: _Supervised, sig: int) -> None:
