@@ -324,3 +324,21 @@ def test_a_restarted_server_rejoins_a_new_update_group_before_it_serves(tmp_path
     paths = outcome["paths"]
     assert paths[0] == "/init_weights_update_group" and "/generate" in paths
     assert paths.index("/end_weight_update") < paths.index("/generate")
+
+
+def test_model_info_version_is_read_from_sglangs_own_response_struct():
+    from tests.rollout import sglang_schema
+
+    types = sglang_schema.api_types()
+    answer = types.GetModelInfoResponse(model_path="m", weight_version="7").to_json_value()
+    assert api.parse_model_info_version(answer, initial_version=0, current_version=7) == 7
+    started = types.GetModelInfoResponse(model_path="m", weight_version="default").to_json_value()
+    assert api.parse_model_info_version(started, initial_version=2, current_version=7) == 2
+    # No version to check: the server cannot be taken back on trust.
+    with pytest.raises(api.MalformedResponse, match="weight_version"):
+        api.parse_model_info_version(types.GetModelInfoResponse(model_path="m").to_json_value(), initial_version=0,
+                                     current_version=7)
+    # The paths the engine and the supervisor use are routes of SGLang's HTTP server.
+    routes = (sglang_schema.sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text()
+    for path in (api.HEALTH_PATH, api.HEALTH_GENERATE_PATH, api.MODEL_INFO_PATH):
+        assert f'@app.get("{path}")' in routes
