@@ -36,6 +36,7 @@ PARAMS = SamplingParams(max_new_tokens=5, temperature=1.0, seed=SEED, stop_token
 
 
 def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (bound together, unlike ``count`` calls of ``free_port``)."""
     sockets = [socket.socket() for _ in range(count)]
     try:
         for sock in sockets:
@@ -313,6 +314,7 @@ def _distributed_worker(rank: int, world_size: int, tmp_dir: str) -> dict[str, A
 
 
 @pytest.mark.slow  # a spawned trainer rank and torch-importing servers: 10 s idle, 40 s on a loaded machine
+@pytest.mark.distributed  # the trainer rank and two servers in one gloo group, all busy at once
 @pytest.mark.timeout(180)
 def test_a_restarted_server_rejoins_a_new_update_group_before_it_serves(tmp_path):
     from tests.distributed_utils import run_distributed
