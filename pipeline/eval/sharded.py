@@ -243,9 +243,8 @@ def policy_engine(
         from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
 
         folder = served_weights(policy, weights_dir=rollout.weights_dir, dtype=dtype)
-        engine = SGLangEngine.attach(rollout.servers, config=SGLangClientConfig(
-            request_timeout_s=rollout.request_timeout_s, batch_timeout_s=rollout.batch_timeout_s,
-            max_attempts=rollout.max_attempts, show_progress=show_progress))
+        engine = SGLangEngine.attach(rollout.servers,
+                                     config=SGLangClientConfig.from_rollout(rollout, show_progress=show_progress))
         try:
             engine.update_weights_from_disk(str(folder), version=SERVED_WEIGHT_VERSION)
         except BaseException:
