@@ -244,9 +244,7 @@ def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_di
     if cfg.engine == "sglang":
         from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
 
-        engine = SGLangEngine(cfg.servers, config=SGLangClientConfig(
-            request_timeout_s=cfg.request_timeout_s, batch_timeout_s=cfg.batch_timeout_s,
-            max_attempts=cfg.max_attempts))
+        engine = SGLangEngine(cfg.servers, config=SGLangClientConfig.from_rollout(cfg))
         if cfg.sync == "distributed":
             return weight_sync.DistributedSyncedEngine(
                 engine, bucket_bytes=bucket_bytes, backend="nccl" if torch.cuda.is_available() else "gloo",

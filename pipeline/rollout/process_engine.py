@@ -236,6 +236,10 @@ class ProcessSyncedEngine:
         pairs = ((name, tensor.cpu()) for bucket in buckets for name, tensor in bucket)
         self.engine.update_weights(pairs, version=version)
 
+    def metrics(self) -> dict[str, float]:
+        """No server states to report: one engine process that the trainer owns (the wrappers' interface)."""
+        return {}
+
     @property
     def weight_version(self) -> int:
         return self.engine.weight_version

@@ -221,6 +221,8 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 mismatch = {} if old_logprobs is None else logprob_mismatch(engine_logprobs, old_logprobs,
                                                                               mask=batch.response_mask)[1]
                 rollout = staleness_metrics(pool, version=step + 1)
+                if run.engine is not None:  # rank 0: the servers' states and recoveries (SGLang), {} locally
+                    rollout.update(run.engine.metrics())
                 if ahead is not None:  # it overlapped the previous step: not one of this step's phases
                     rollout["time/generate_ahead"] = prepared.generate_seconds
                 last = step_metrics(pool=pool, update=update, temperature=temperature, mean_entropy=mean_entropy,
