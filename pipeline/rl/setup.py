@@ -262,7 +262,9 @@ def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_di
         return ProcessSyncedEngine(engine, bucket_bytes=bucket_bytes, trainer_threads=trainer_threads)
     from pipeline.rollout.local import LocalEngine
 
-    engine = LocalEngine(weight_sync.build_hf_model(spec), eos_token_ids=tokenizer.eos_token_id,
+    # On a GPU machine the in-process engine decodes on this rank's GPU (rank 0), as evaluation's does.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    engine = LocalEngine(weight_sync.build_hf_model(spec).to(device), eos_token_ids=tokenizer.eos_token_id,
                          pad_token_id=pad_token_id(tokenizer), show_progress=False)
     return weight_sync.LocalSyncedEngine(engine, bucket_bytes=bucket_bytes)
 
