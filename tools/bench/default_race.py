@@ -90,8 +90,9 @@ def _depo_e3_d3s_cw(*, steps: int, group_size: int = 8):
 
 # The online estimator at DEPO's defaults (lr 1e-4, threshold 0.9) filtered nothing in 60 steps: its
 # predicted pass rates stayed within ±0.02 of the batch mean, so P(all 8 rewards equal) never left
-# ~0.01. Ten times the learning rate lets it separate the pool's levels within the warm-up, and at
-# threshold 0.5 it drops a prompt once p̂ < 0.083 or p̂ > 0.917 (p̂^8 + (1 − p̂)^8 > 0.5).
+# ~0.01. At ten times the learning rate it separates the pool's levels, though only after ~45 steps
+# on this pool (docs/benchmarks.md, "The default race"); at threshold 0.5 it drops a prompt once
+# p̂ < 0.083 or p̂ > 0.917 (p̂^8 + (1 − p̂)^8 > 0.5).
 FAST_DEPO_LR = 1e-3
 FAST_DEPO_THRESHOLD = 0.5
 
