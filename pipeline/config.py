@@ -674,7 +674,7 @@ class DemoConfig:
     """`winnow demo`: the CPU campaign (recipes.campaigns.cpu_campaign) in one process, then a results table."""
 
     output_dir: str = option("runs/demo", help="campaign root: status.json, every stage's outputs, the final plot")
-    steps: int = option(100, ge=1, help="RL steps of each variant (the default method and the GRPO baseline)")
+    steps: int = option(100, ge=1, help="RL steps of each variant (default, grpo and methods)")
     tiny: bool = option(False, help="toy sizes everywhere (tests): a 40-step bootstrap, 2-step RL, tiny evaluations")
     benchmarks: list[str] = option(
         default_factory=lambda: ["arith?difficulty=3&size=400", "arith?difficulty=4&size=400", "gsm8k", "math500"],

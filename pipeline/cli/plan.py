@@ -176,9 +176,10 @@ def rl_jobs(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
 
         if args.recipe not in CAMPAIGNS:
             raise UserError(f"--recipe: unknown campaign {args.recipe!r}; known: {', '.join(sorted(CAMPAIGNS))}")
-        campaign = CAMPAIGNS[args.recipe](output_dir="runs/plan").with_overrides(
-            [f"rl-default.{override}" for override in args.overrides]
-            + [f"rl-grpo.{override}" for override in args.overrides])
+        campaign = CAMPAIGNS[args.recipe](output_dir="runs/plan")
+        rl_stages = [stage.name for stage in campaign.stages if stage.kind == "rl"]
+        # Every rl stage plans under the same overrides, whatever variants the campaign has.
+        campaign = campaign.with_overrides([f"{name}.{override}" for name in rl_stages for override in args.overrides])
         return [(stage.name, stage.config, stage.resources) for stage in campaign.stages if stage.kind == "rl"]
     if args.preset:
         from recipes import papers

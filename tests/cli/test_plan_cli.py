@@ -61,3 +61,12 @@ def test_launch_skips_the_check_when_the_model_is_only_on_the_cluster(tmp_path):
     printed: list[str] = []
     check_campaign_plan(plan, args, out=printed.append)
     assert printed and all("not checked" in text for text in printed)
+
+
+def test_a_campaigns_overrides_reach_every_rl_stage():
+    from pipeline.cli.plan import rl_jobs
+
+    args = argparse.Namespace(recipe="cpu", preset=None, config=None, overrides=["steps=7"])
+    jobs = rl_jobs(args)
+    assert {name for name, _, _ in jobs} == {"rl-default", "rl-grpo", "rl-methods"}
+    assert {cfg.steps for _, cfg, _ in jobs} == {7}
