@@ -56,14 +56,30 @@ def test_race_arguments():
         default_race.parse_args(["--methods", "ppo"])
 
 
+def test_campaign_tokens_charge_the_online_estimator_and_the_curation(tmp_path):
+    run = _run([(0, 0.3, 0), (10, 0.4, 1000), (20, 0.5, 2000)], curation_tokens=300)
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "depo/encoded_tokens": encoded}) + "\n" for step, encoded in ((10, 70), (20, 150))))
+    default_race.add_encoded_tokens(run, tmp_path, filters_with_depo=True)
+    assert [point["tokens_encoded"] for point in run["curve"]] == [0, 70, 150]
+    assert default_race.campaign_tokens(run["final"], run) == 2000 + 150 + 300
+    plain = _run([(0, 0.3, 0), (10, 0.4, 1000)])
+    default_race.add_encoded_tokens(plain, tmp_path / "absent", filters_with_depo=False)
+    assert default_race.campaign_tokens(plain["final"], plain) == 1000
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 10, "depo/encoded_tokens": 70}) + "\n")
+    with pytest.raises(SystemExit, match="no depo/encoded_tokens at step 20"):
+        default_race.add_encoded_tokens(_run([(0, 0.3, 0), (20, 0.5, 2000)]), tmp_path, filters_with_depo=True)
+
+
 def test_candidates_skip_curation_and_filter_online():
-    for name in ("depo_d3s_cw_raw", "depo_e3_d3s_cw_raw"):
+    for name in ("depo_d3s_cw_raw", "depo_e3_d3s_cw_raw", "fast_depo_d3s_cw_raw", "fast_depo_ada_est_d3s_cw_raw"):
         method = default_race.METHODS[name]
         cfg = method.recipe(steps=10)
         assert not method.curated and cfg.algorithm.prompt_filter == "depo"
         assert cfg.algorithm.depo.estimator_dir is None  # trained online: there is no curation to train it on
         assert "cw_grpo" in cfg.algorithm.token_weights and cfg.algorithm.sample_selector == "d3s_cross"
     assert default_race.METHODS["depo_e3_d3s_cw_raw"].recipe(steps=10).algorithm.budget == "e3"
+    assert default_race.METHODS["fast_depo_ada_est_d3s_cw_raw"].recipe(steps=10).algorithm.budget == "ada_est"
 
 
 def test_adam_kernel_switch_sets_and_restores_the_param_group_flags():
