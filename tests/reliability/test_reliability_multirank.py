@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.stages.test_bootstrap import OVERRIDES as BOOTSTRAP_OVERRIDES
 from tests.reliability.test_reliability_interruptions import (
     REPO,
     RUN_TIMEOUT_S,
@@ -32,6 +31,7 @@ from tests.reliability.test_reliability_interruptions import (
     _rows,
     _wait_for_step,
 )
+from tests.stages.test_bootstrap import OVERRIDES as BOOTSTRAP_OVERRIDES
 
 # Data parallel 2: the tiny policy's 59-token vocabulary is not divisible by TP=2 (the RL
 # stage does not pad a bootstrap vocabulary yet).
