@@ -20,7 +20,7 @@ the local engine serves tiny CPU policies, and at 7B the rollouts come from SGLa
 Pushing a 7B policy this way would copy its 15.2 GB of bf16 weights once per step.
 
 ``ProcessSyncedEngine`` is the weight-sync transport ``pipeline.rollout.weight_sync`` calls
-(``plan``/``consume``), like its in-process ``LocalSyncedEngine``.
+(``plan``/``consume``): its in-process ``LocalSyncedEngine`` with the cores split.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch
 
 from pipeline.models.spec import ModelSpec
 from pipeline.rollout.types import Completion, GenerationRequest, RolloutError, SamplingParams
+from pipeline.rollout.weight_sync import LocalSyncedEngine
 
 __all__ = ["PROCESS_NAME", "ProcessEngine", "ProcessSyncedEngine", "split_threads"]
 
@@ -212,41 +213,19 @@ class ProcessEngine:
             self._process.join()
 
 
-class ProcessSyncedEngine:
-    """``ProcessEngine`` as a weight-sync transport: each sync streams the actor's buckets into it.
+class ProcessSyncedEngine(LocalSyncedEngine):
+    """``ProcessEngine`` as a weight-sync transport: the in-process engine's, each sync streaming the
+    actor's buckets into it, plus the thread share.
 
     While it is open the trainer's process runs ``trainer_threads`` torch threads (its share of
     the cores, ``split_threads``); ``close`` restores the count it found.
     """
 
     def __init__(self, engine: ProcessEngine, *, bucket_bytes: int, trainer_threads: int) -> None:
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self.engine = engine
-        self.bucket_bytes = bucket_bytes
+        super().__init__(engine, bucket_bytes=bucket_bytes)
         self._previous_threads = torch.get_num_threads()
         torch.set_num_threads(trainer_threads)
 
-    def plan(self, version: int):  # noqa: ARG002 - every version travels the same way
-        from pipeline.rollout.weight_sync import SyncPlan
-
-        return SyncPlan(transport="local", bucket_bytes=self.bucket_bytes)
-
-    def consume(self, buckets, *, version: int) -> None:
-        pairs = ((name, tensor.cpu()) for bucket in buckets for name, tensor in bucket)
-        self.engine.update_weights(pairs, version=version)
-
-    def metrics(self) -> dict[str, float]:
-        """No server states to report: one engine process that the trainer owns (the wrappers' interface)."""
-        return {}
-
-    @property
-    def weight_version(self) -> int:
-        return self.engine.weight_version
-
-    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Completion]:
-        return self.engine.generate(requests, params)
-
     def close(self) -> None:
-        self.engine.close()
+        super().close()
         torch.set_num_threads(self._previous_threads)
