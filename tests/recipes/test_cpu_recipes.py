@@ -43,7 +43,8 @@ def test_cw_builds_on_d3s():
     ("ada_est_cpu", "grpo_cpu", {"algorithm.budget", "algorithm.ada_est.max_budget",  # min_budget 2 is the default
                                  "algorithm.advantage", "algorithm.baseline_weight"}),
     ("depo_cpu", "grpo_cpu", {"algorithm.prompt_filter"}),
-    ("e3_cpu", "e3_temperature_cpu", {"algorithm.budget"}),  # [G/2, 2G] = [4, 16] are the defaults at G = 8
+    ("e3_cpu", "e3_temperature_cpu", {"algorithm.budget"}),
+    ("grpo_async_cpu", "grpo_cpu", {"rollout.max_staleness"}),  # [G/2, 2G] = [4, 16] are the defaults at G = 8
 ])
 def test_method_recipes_differ_from_their_parent_only_in_their_method(name, parent, changed):
     child_values, parent_values = _flat(RECIPES[name]()), _flat(RECIPES[parent]())
