@@ -48,6 +48,7 @@ from pipeline.launch.plan import (
     memory_plan,
     step_flops,
 )
+from tools.bench.plan_memory import model_state_bytes
 
 GIB = 1024**3
 
@@ -136,24 +137,7 @@ def run(args: argparse.Namespace) -> dict:
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         stats_times = _timed(lambda: actor.compute_token_stats(batch), args.steps)
 
-        parameters = list(actor.module.parameters())
-        optimizer_bytes = 0
-        for optimizer in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-            seen = set()
-            tensors = [v for state in optimizer.optimizer.state.values() for v in state.values()
-                       if torch.is_tensor(v) and v.dim()]
-            for group in getattr(optimizer, "fp32_from_float16_groups", []):
-                tensors += list(group)
-            for tensor in tensors:
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    optimizer_bytes += storage.nbytes()
-        measured = {
-            "weights": sum(p.numel() * p.element_size() for p in parameters),
-            "gradients": sum(b.grad_data.numel() * b.grad_data.element_size() for b in actor.model.buffers),
-            "optimizer": optimizer_bytes,
-        }
+        measured = model_state_bytes(actor)
         inputs = plan_inputs(dims, args, backend="te" if backend == "te" else "local", gpu=gpu)
         (stage,) = memory_plan(inputs)
         predicted = {"weights": stage.weights, "gradients": stage.gradients, "optimizer": stage.optimizer,

@@ -112,6 +112,24 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def model_state_bytes(actor) -> dict[str, int]:
+    """Bytes of the actor's weights, megatron DDP's gradient buffers and the Adam state with its fp32
+    master copies (after a step created them), each storage counted once."""
+    import torch
+
+    optimizer_tensors = []
+    for optimizer in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        for state in optimizer.optimizer.state.values():
+            optimizer_tensors += [value for value in state.values() if torch.is_tensor(value) and value.dim()]
+        for group in getattr(optimizer, "fp32_from_float16_groups", []):
+            optimizer_tensors += list(group)
+    return {
+        "weights": sum(p.numel() * p.element_size() for p in actor.module.parameters()),
+        "gradients": sum(buffer.grad_data.numel() * buffer.grad_data.element_size() for buffer in actor.model.buffers),
+        "optimizer": _storage_bytes(optimizer_tensors),
+    }
+
+
 def _rank_main(rank: int, result_dir: str, case: Case, port: int) -> None:
     warnings.filterwarnings("ignore")
     import torch
@@ -172,21 +190,7 @@ def _rank_main(rank: int, result_dir: str, case: Case, port: int) -> None:
         response_mask[:, 0] = False
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor):
             actor.train_step(TrainBatch(tokens=tokens, response_mask=response_mask), CrossEntropyLoss())
-        optimizers = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
-        optimizer_tensors = []
-        for optimizer in optimizers:
-            for state in optimizer.optimizer.state.values():
-                optimizer_tensors += [value for value in state.values() if torch.is_tensor(value) and value.dim()]
-            for group in getattr(optimizer, "fp32_from_float16_groups", []):
-                optimizer_tensors += list(group)
-        result = {
-            "rank": rank, "pp_rank": context.pp_rank,
-            "weights": sum(p.numel() * p.element_size() for p in parameters),
-            "gradients": sum(buffer.grad_data.numel() * buffer.grad_data.element_size()
-                             for buffer in actor.model.buffers),
-            "optimizer": _storage_bytes(optimizer_tensors),
-            "activations": usage["peak"],
-        }
+        result = {"rank": rank, "pp_rank": context.pp_rank, **model_state_bytes(actor), "activations": usage["peak"]}
     finally:
         context.destroy()
     (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(result))
