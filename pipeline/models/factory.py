@@ -44,11 +44,12 @@ from pipeline.models.layer_spec import (
     select_layer_spec,
 )
 from pipeline.models.spec import ModelSpec
+from pipeline.parallel import cpu_compat
 
 if TYPE_CHECKING:
     from pipeline.parallel.context import ParallelContext
 
-__all__ = ["CPU_DISABLED_FUSIONS", "build_gpt_model", "build_transformer_config", "kernel_fusions"]
+__all__ = ["CPU_DISABLED_FUSIONS", "build_gpt_model", "build_transformer_config", "kernel_fusions", "model_device"]
 
 _COMPILED = (
     "wrapped in torch.compile (megatron.core.jit.jit_fuser): seconds of inductor compile "
@@ -114,12 +115,15 @@ def build_transformer_config(
     params_dtype: torch.dtype = torch.float32,
     fp8: FP8Options | None = None,
     overrides: Mapping[str, Any] | None = None,
+    device: torch.device | None = None,
 ) -> TransformerConfig:
     """The ``TransformerConfig`` for ``spec`` under the given layout and layer implementation.
 
     ``overrides`` sets any further ``TransformerConfig`` field (recomputation,
     ``variable_seq_lengths``...); it is applied last, and an unknown name is a
-    ``ValueError``.
+    ``ValueError``. ``device`` is where the model will live (a ``ParallelContext``'s
+    ``device``); it decides CPU initialization and the kernel fusions. By default
+    (``model_device``) the GPU where CUDA exists, unless the CPU layer is on.
     """
     if spec.num_layers % pipeline_parallel:
         raise ValueError(
@@ -142,7 +146,7 @@ def build_transformer_config(
     if fp8.enabled and choice.name != "te":
         raise ValueError("fp8.enabled: FP8 needs the Transformer Engine layer spec")
 
-    has_cuda = torch.cuda.is_available()
+    has_cuda = (device if device is not None else model_device()).type == "cuda"
     fusions = kernel_fusions(choice, has_cuda=has_cuda,
                              has_apex_wgrad=has_cuda and choice.name == "te" and apex_fused_wgrad_available())
 
@@ -172,8 +176,9 @@ def build_transformer_config(
         "params_dtype": params_dtype,
         "pipeline_dtype": params_dtype,
         **_DTYPE_FLAGS[params_dtype],
-        # Without CUDA every weight is initialized on the CPU anyway; on CPU this also
-        # makes TP shards slices of one master weight, so TP=1 and TP=2 agree exactly.
+        # A CPU model is initialized on the CPU, where this also makes TP shards slices of
+        # one master weight, so TP=1 and TP=2 agree exactly. A GPU model draws its weights
+        # on the GPU, never on the host first.
         "use_cpu_initialization": not has_cuda,
         **fusions,
         **fp8.transformer_config_fields(),
@@ -192,6 +197,19 @@ def build_transformer_config(
             "in megatron-core; initialize, then load the checkpoint over it"
         )
     return TransformerConfig(**fields)
+
+
+def model_device(parallel_context: ParallelContext | None = None) -> torch.device:
+    """Where ``build_gpt_model`` puts the model: the context's device, else this process's default.
+
+    Without a context: the current CUDA device where CUDA exists and the CPU layer is off
+    (``pipeline.parallel.cpu_compat``, which a gloo context turns on), else the CPU.
+    """
+    if parallel_context is not None:
+        return parallel_context.device
+    if torch.cuda.is_available() and not cpu_compat.is_enabled():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def build_gpt_model(
@@ -239,6 +257,7 @@ def build_gpt_model(
             f"{layout['tensor_parallel']}; pad the vocabulary first"
         )
 
+    device = model_device(parallel_context)
     layer, choice = layer_spec if layer_spec is not None else select_layer_spec(spec, fp8=fp8)
     config = build_transformer_config(
         spec,
@@ -248,6 +267,7 @@ def build_gpt_model(
         params_dtype=params_dtype,
         fp8=fp8,
         overrides=config_overrides,
+        device=device,
     )
     # An explicit block spec: megatron would otherwise pick TE's final norm whenever
     # TE is installed, even for local layers.
@@ -280,10 +300,10 @@ def build_gpt_model(
         rotary_base=spec.rope_theta,
         **rope_scaling,
     )
-    if not config.use_cpu_initialization:
+    if device.type == "cuda":
         # megatron allocates its parallel linear and embedding weights on the current CUDA device,
         # but the torch norms of the local spec (no TE or APEX) on torch's default device, the CPU;
         # megatron's optimizer then refuses the mix. Megatron-LM's own get_model moves the whole
-        # module the same way. The current device is this rank's GPU (ParallelContext sets it).
-        model.cuda(torch.cuda.current_device())
+        # module the same way (the norms are a few kB: the move copies nothing else).
+        model.to(device)
     return model

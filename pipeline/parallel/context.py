@@ -3,7 +3,10 @@
 ``ParallelContext.initialize`` brings up ``torch.distributed`` (from torchrun's
 environment or an explicit rank/world/address), turns on the CPU compatibility
 layer when there is no CUDA, initializes megatron-core's ``parallel_state`` and
-seeds the random generators. Everything the trainer needs from the process
+seeds the random generators. The backend decides where this rank's tensors live
+(``device_for_backend``): NCCL on this rank's GPU, gloo on the CPU, also on a CUDA
+machine, where the compatibility layer then keeps megatron's own allocations on the CPU
+too. Everything the trainer needs from the process
 layout (ranks, sizes, groups, pipeline position, this rank's vocabulary shard,
 reducers) is a property or method here, so no other module imports
 ``parallel_state``.
@@ -14,8 +17,10 @@ ranks are adjacent global ranks and pipeline stages are the outermost split.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -24,11 +29,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from pipeline.parallel import cpu_compat
-from pipeline.parallel import reducers
+from pipeline.parallel import cpu_compat, reducers
 from pipeline.parallel.reducers import GroupReducer
 
-__all__ = ["ParallelContext"]
+__all__ = ["ParallelContext", "device_for_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,8 @@ class ParallelContext:
     data_parallel: int
     context_parallel: int
     # Where this rank's model, batches and every collective's tensors live: cuda:local_rank
-    # with CUDA, else the CPU. Fixed at initialization; the collectives below check it.
+    # under NCCL, the CPU under gloo (device_for_backend). Fixed at initialization; the
+    # collectives below check it.
     device: torch.device
     owns_process_group: bool = field(repr=False)
     enabled_cpu_compat: bool = field(repr=False)
@@ -79,7 +84,8 @@ class ParallelContext:
         ``MASTER_ADDR`` and ``MASTER_PORT``. An already initialized default
         process group is reused (and then left alone by ``destroy``).
         ``data_parallel`` is derived as ``world_size / (TP * PP * CP)``; when
-        given it must match. ``backend`` defaults to NCCL with CUDA, gloo without.
+        given it must match. ``backend`` defaults to NCCL with CUDA, gloo without; it
+        decides ``device`` (``device_for_backend``).
         """
         for name, value in (
             ("tensor_parallel", tensor_parallel),
@@ -90,8 +96,7 @@ class ParallelContext:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         has_cuda = torch.cuda.is_available()
         backend = backend or ("nccl" if has_cuda else "gloo")
-        if backend == "nccl" and not has_cuda:
-            raise ValueError("backend: 'nccl' needs CUDA; use 'gloo' on a CPU-only machine")
+        device_for_backend(backend, local_rank=0, has_cuda=has_cuda)  # an unusable backend fails before any I/O
 
         owns_process_group = not dist.is_initialized()
         if owns_process_group:
@@ -125,7 +130,8 @@ class ParallelContext:
                 f"data_parallel: {data_parallel} != world_size / (TP*PP*CP) = {derived_data_parallel}"
             )
 
-        if has_cuda:
+        device = device_for_backend(backend, local_rank=local_rank, has_cuda=has_cuda)
+        if device.type == "cuda":
             # NCCL binds a communicator to the current device at first use, and megatron
             # allocates on torch.cuda.current_device(): both must be this rank's GPU, also
             # when someone else brought the process group up.
@@ -139,9 +145,10 @@ class ParallelContext:
                 timeout=timedelta(minutes=timeout_minutes),
             )
         enabled_cpu_compat = False
-        if not has_cuda:
+        if device.type == "cpu":
             enabled_cpu_compat = not cpu_compat.is_enabled()
-            cpu_compat.enable()
+            with _cuda_hidden(has_cuda):
+                cpu_compat.enable()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
@@ -158,7 +165,7 @@ class ParallelContext:
             pipeline_parallel=pipeline_parallel,
             data_parallel=derived_data_parallel,
             context_parallel=context_parallel,
-            device=torch.device("cuda", local_rank) if has_cuda else torch.device("cpu"),
+            device=device,
             owns_process_group=owns_process_group,
             enabled_cpu_compat=enabled_cpu_compat,
         )
@@ -172,11 +179,12 @@ class ParallelContext:
         # generator, which must agree across tensor-parallel ranks so that each one
         # slices the same master weight.
         torch.manual_seed(seed)
-        # Without CUDA there are no CUDA generators to fork, so megatron's "inference"
-        # tracker (fork is a no-op) is the only one that works. Consequence: dropout
-        # inside tensor-parallel regions draws the same mask on every TP rank on CPU.
+        # On the CPU there are no CUDA generators to fork (the compatibility layer saves
+        # an empty CUDA state), so megatron's "inference" tracker (fork is a no-op) is the
+        # only one that works. Consequence: dropout inside tensor-parallel regions draws
+        # the same mask on every TP rank on CPU.
         model_parallel_cuda_manual_seed(
-            seed, inference_rng_tracker=not torch.cuda.is_available(), force_reset_rng=True
+            seed, inference_rng_tracker=self.device.type == "cpu", force_reset_rng=True
         )
 
     def destroy(self) -> None:
@@ -307,6 +315,44 @@ class ParallelContext:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def device_for_backend(backend: str, *, local_rank: int, has_cuda: bool) -> torch.device:
+    """Where a rank's model and collective tensors live under ``backend``.
+
+    NCCL reduces only CUDA tensors and gloo (in torch 2.11) only CPU ones
+    (``ProcessGroupGloo::allreduce_coalesced: unsupported device type cuda``), so the
+    backend decides the device, not whether the machine has a GPU: a gloo context on a
+    CUDA machine (a one-rank checkpoint load, the CPU test fixtures) runs on the CPU.
+    """
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl":
+        if not has_cuda:
+            raise ValueError("backend: 'nccl' needs CUDA; use 'gloo' on a CPU-only machine")
+        return torch.device("cuda", local_rank)
+    raise ValueError(f"backend: expected 'nccl' or 'gloo', got {backend!r}")
+
+
+@contextlib.contextmanager
+def _cuda_hidden(has_cuda: bool) -> Iterator[None]:
+    """``torch.cuda.is_available()`` reads ``False`` inside, on a CUDA machine.
+
+    ``cpu_compat.enable`` does nothing where CUDA exists, but a gloo context there needs
+    the layer as much as a CPU-only machine does: megatron moves RoPE's inverse
+    frequencies to ``torch.cuda.current_device()`` at the first forward and builds its
+    optimizer's found-inf and grad-norm tensors with ``device="cuda"``, whatever device
+    the weights are on.
+    """
+    if not has_cuda:
+        yield
+        return
+    available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: False
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = available
 
 
 def _from_env(value: int | None, name: str) -> int | None:
