@@ -70,9 +70,11 @@ def _megatron_model(spec, hf_tensors):
 
 
 def _megatron_logits(model, spec) -> torch.Tensor:
-    input_ids, position_ids, causal_mask = _batch(spec.vocab_size)
+    """On the CPU, wherever the model was built (compared with the HF model's CPU logits)."""
+    device = next(model.parameters()).device
+    input_ids, position_ids, causal_mask = (t.to(device) for t in _batch(spec.vocab_size))
     with torch.no_grad():
-        return model(input_ids, position_ids, causal_mask)  # (B, T, V)
+        return model(input_ids, position_ids, causal_mask).cpu()  # (B, T, V)
 
 
 @pytest.mark.parametrize("name", list(PARITY_SPECS))
@@ -115,8 +117,9 @@ def test_megatron_rope_ignores_position_ids_unlike_hf(megatron_single_rank):
     input_ids, _, causal_mask = _batch(spec.vocab_size)
     half = SEQ_LEN // 2
     restarting = torch.cat([torch.arange(half), torch.arange(SEQ_LEN - half)]).expand(BATCH, SEQ_LEN)  # (B, T)
+    device = next(model.parameters()).device
     with torch.no_grad():
-        megatron_restarting = model(input_ids, restarting, causal_mask)
+        megatron_restarting = model(input_ids.to(device), restarting.to(device), causal_mask.to(device)).cpu()
         hf_restarting = hf_model(input_ids, position_ids=restarting).logits
     assert torch.equal(megatron_restarting, _megatron_logits(model, spec))
     hf_default = _hf_logits(hf_model, input_ids)

@@ -12,7 +12,6 @@ from pipeline.models.factory import CPU_DISABLED_FUSIONS, build_gpt_model, build
 from pipeline.models.layer_spec import LayerSpecChoice
 from pipeline.models.layout import TPPartition, global_parameter_name, shard_full_state_dict
 from pipeline.models.spec import ModelSpec
-
 from tests.distributed_utils import one_rank_context
 from tests.oracles.sharding import partition_of
 
@@ -48,8 +47,8 @@ def context():
         yield ctx
 
 
-def _causal_mask() -> torch.Tensor:
-    return torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)  # True = masked
+def _causal_mask(device: torch.device | None = None) -> torch.Tensor:
+    return torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool, device=device).triu(1)  # True = masked
 
 
 @pytest.mark.parametrize("changes", [{}, QWEN], ids=["llama", "qwen2"])
@@ -94,7 +93,7 @@ def test_swiglu_uses_first_half_of_fc1_as_gate(context):
     # Checkpoint converters depend on this layout: fc1 = [gate; up], out = W2 (silu(gate) * up).
     model = build_gpt_model(_spec(), parallel_context=context, seed=1)
     mlp = model.decoder.layers[0].mlp
-    x = torch.randn(3, 1, HIDDEN)  # (T, B, H)
+    x = torch.randn(3, 1, HIDDEN, device=mlp.linear_fc1.weight.device)  # (T, B, H)
     gate, up = mlp.linear_fc1.weight.chunk(2, dim=0)
     expected = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), mlp.linear_fc2.weight)
     output, bias = mlp(x)
@@ -119,21 +118,22 @@ def test_rope_frequencies_match_transformers(context, scaling):
 
 def test_forward_logits_loss_and_default_mask(context):
     model = build_gpt_model(_spec(**QWEN), parallel_context=context, seed=1)
+    device = next(model.parameters()).device  # the context's: the CPU under the gloo fixture on any machine
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator)  # (B, T)
-    labels = torch.randint(0, VOCAB, (2, SEQ), generator=generator)  # (B, T)
-    positions = torch.arange(SEQ).expand(2, SEQ)  # (B, T)
-    logits = model(ids, positions, _causal_mask())  # (B, T, V)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator).to(device)  # (B, T)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=generator).to(device)  # (B, T)
+    positions = torch.arange(SEQ, device=device).expand(2, SEQ)  # (B, T)
+    logits = model(ids, positions, _causal_mask(device))  # (B, T, V)
     assert logits.shape == (2, SEQ, VOCAB)
     # attention_mask=None makes megatron build a causal mask on device="cuda" (compat layer).
     torch.testing.assert_close(model(ids, positions, None), logits, rtol=0, atol=0)
-    token_losses = model(ids, positions, _causal_mask(), labels=labels)  # (B, T)
+    token_losses = model(ids, positions, _causal_mask(device), labels=labels)  # (B, T)
     expected = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none").view(2, SEQ)
     torch.testing.assert_close(token_losses, expected, rtol=1e-5, atol=1e-5)
     # Causality: changing the last token leaves earlier logits untouched.
     changed = ids.clone()
     changed[:, -1] = (changed[:, -1] + 1) % VOCAB
-    torch.testing.assert_close(model(changed, positions, _causal_mask())[:, :-1], logits[:, :-1], rtol=0, atol=0)
+    torch.testing.assert_close(model(changed, positions, _causal_mask(device))[:, :-1], logits[:, :-1], rtol=0, atol=0)
 
 
 def test_seed_makes_initialization_reproducible(context):

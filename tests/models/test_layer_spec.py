@@ -105,7 +105,10 @@ def test_fp8_with_te_sets_the_config_fields(environment, recipe, megatron_recipe
     fp8 = FP8Options(enabled=True, recipe=recipe, margin=1, amax_history_len=16, amax_compute_algo="most_recent")
     _, choice = select_layer_spec(SPEC, fp8=fp8)
     assert choice.fp8_recipe == recipe
-    config = build_transformer_config(SPEC, choice=choice, fp8=fp8, params_dtype=torch.bfloat16)
+    # On the CPU: the TE spec's fusions on a GPU need TE's kernels (the config refuses RoPE
+    # fusion without them), and this checks only the FP8 mapping, which is the same there.
+    config = build_transformer_config(SPEC, choice=choice, fp8=fp8, params_dtype=torch.bfloat16,
+                                      device=torch.device("cpu"))
     assert (config.fp8, config.fp8_recipe, config.fp8_margin) == ("hybrid", megatron_recipe, 1)
     assert (config.fp8_amax_history_len, config.fp8_amax_compute_algo) == (16, "most_recent")
     assert config.fp8_wgrad is True and config.fp8_param is False
@@ -116,7 +119,7 @@ def test_fp8_disabled_leaves_fp8_off(environment):
     environment(te=True, cuda=True)
     _, choice = select_layer_spec(SPEC, fp8=FP8Options(enabled=False))
     assert choice.fp8_recipe is None
-    assert build_transformer_config(SPEC, choice=choice, fp8=FP8Options()).fp8 is None
+    assert build_transformer_config(SPEC, choice=choice, fp8=FP8Options(), device=torch.device("cpu")).fp8 is None
 
 
 @pytest.mark.parametrize(("te", "cuda", "prefer_te"), [(False, True, True), (True, False, True), (True, True, False)])

@@ -18,7 +18,6 @@ from pipeline.models.factory import build_transformer_config
 from pipeline.models.layer_spec import LayerSpecChoice, local_layer_spec
 from pipeline.models.local_modules import SDPADotProductAttention
 from pipeline.models.spec import ModelSpec
-
 from tests.distributed_utils import one_rank_context
 
 SEQ, BATCH, HEAD_DIM = 10, 3, 8
@@ -33,7 +32,10 @@ def context():
 def _config(*, heads: int, groups: int, **overrides):
     spec = ModelSpec(family="llama", vocab_size=32, hidden_size=heads * HEAD_DIM, ffn_hidden_size=16, num_layers=1,
                      num_attention_heads=heads, num_query_groups=groups, max_position_embeddings=64)
-    return build_transformer_config(spec, choice=LayerSpecChoice(name="local", reason="test"), overrides=overrides)
+    # The CPU's config on any machine: the float64 inputs below are CPU tensors, and a GPU config's
+    # fused softmax would take megatron's CUDA kernel path.
+    return build_transformer_config(spec, choice=LayerSpecChoice(name="local", reason="test"), overrides=overrides,
+                                    device=torch.device("cpu"))
 
 
 def _pair(config, mask_type=AttnMaskType.causal):
