@@ -13,8 +13,9 @@ one call, made by every rank. Rank 0 first broadcasts the sync's ``SyncPlan`` (a
 so the other ranks, which hold no engine, know their part.
 
 * ``LocalSyncedEngine`` (``engine=local``): the in-process Hugging Face engine. The buckets
-  reach rank 0 (later stages' through the point-to-point relay), move to the CPU one bucket
-  at a time and are copied into the engine's model.
+  reach rank 0 (later stages' through the point-to-point relay) and are copied into the
+  engine's model: device to device when it lives on the buckets' GPU, else through one
+  bucket's CPU copy at a time (the process engine's children read host shared memory).
 * ``DiskSyncedEngine`` (``sync=disk``): every stage's source rank writes its own buckets as
   ``model-ppSSS-KKKKK.safetensors`` into one staging folder under ``weights_dir``; after all
   stages wrote (their file lists gathered on rank 0, a few kB), rank 0 alone writes
@@ -80,15 +81,21 @@ __all__ = [
 MB = 1024**2
 
 
-def build_hf_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32):
-    """An HF causal LM with ``spec``'s architecture (random weights until the first sync)."""
+def build_hf_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """An HF causal LM with ``spec``'s architecture on ``device`` (random weights until the first sync).
+
+    Built and initialized on ``device`` itself: drawing a 4B model's random weights on the
+    host and then moving them costs a CPU pass over every parameter for values the first
+    sync overwrites.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = dict(spec.to_hf_config())
     model_type = hf_config.pop("model_type")
     hf_config.pop("architectures")
     config = AutoConfig.for_model(model_type, **hf_config)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 
@@ -167,14 +174,34 @@ class _Wrapped:
 
 
 class LocalSyncedEngine(_Wrapped):
-    """The in-process engine; each sync copies the streamed buckets into its model."""
+    """The in-process engine; each sync copies the streamed buckets into its model.
+
+    Where the copy goes through (``staging_device``): an in-process ``LocalEngine`` takes
+    each tensor on its model's device, so a GPU engine next to a GPU actor gets device-to-
+    device copies and the host is never involved; any other engine (the process engine,
+    whose children read host shared memory) gets CPU tensors. Memory at 7B (bf16, 15.2 GB
+    of weights, ``rollout.sync_bucket_mb`` = 512): on the GPU path nothing beyond the
+    export's own bound (``pipeline.rollout.weight_export``), the engine's model being a
+    second 15.2 GB on rank 0's GPU; on the host path one bucket's CPU copy, ≤ 512 MB (or
+    the 1.09 GB embedding, the largest single tensor), at a time.
+    """
 
     def plan(self, version: int) -> SyncPlan:
         return SyncPlan(transport="local", bucket_bytes=self.bucket_bytes)
 
+    def staging_device(self) -> torch.device:
+        """Where the buckets' tensors are handed to the engine."""
+        from pipeline.rollout.local import LocalEngine
+
+        if isinstance(self.engine, LocalEngine):
+            return next(self.engine.model.parameters()).device
+        return torch.device("cpu")
+
     def consume(self, buckets: Iterator[Bucket], *, version: int) -> None:
-        # Tensors leave the GPU here, one bucket at a time: the engine takes CPU tensors.
-        pairs = ((name, tensor.cpu()) for bucket in buckets for name, tensor in bucket)
+        device = self.staging_device()
+        # One bucket at a time; .to() of a tensor already on ``device`` is the tensor itself, and
+        # the engine copies each into its parameter before the export produces the next bucket.
+        pairs = ((name, tensor.to(device)) for bucket in buckets for name, tensor in bucket)
         self.engine.update_weights(pairs, version=version)
 
 

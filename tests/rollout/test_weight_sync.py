@@ -18,8 +18,10 @@ def _sync_worker(rank, world_size, tp, pp):
     from pipeline.trainer.losses import CrossEntropyLoss
 
     actor = _actor(tp, pp, micro_batch_tokens=10_000, lr=3e-2)
-    # A bucket of 4 KiB: the tiny model (~40 KiB) streams in many buckets.
-    engine = (LocalSyncedEngine(LocalEngine(build_hf_model(actor.spec), show_progress=False), bucket_bytes=4096)
+    # A bucket of 4 KiB: the tiny model (~40 KiB) streams in many buckets. The engine sits on the
+    # actor's device: on a GPU machine the sync is then device to device and decoding runs there.
+    engine = (LocalSyncedEngine(LocalEngine(build_hf_model(actor.spec, device=actor.device), show_progress=False),
+                                bucket_bytes=4096)
               if actor.context.rank == 0 else None)
     prompts = [[1, 5, 9], [2, 7], [3, 3, 3, 4]]
     requests = [GenerationRequest(prompt_id=str(i), prompt_token_ids=p, num_samples=2) for i, p in enumerate(prompts)]
@@ -45,6 +47,58 @@ def _sync_worker(rank, world_size, tp, pp):
     after_tokens, after_mismatch = sample_and_compare()
     version = engine.weight_version if engine is not None else 2
     return before_tokens, after_tokens, before_mismatch, after_mismatch, version
+
+
+def _spec():
+    from pipeline.models.spec import ModelSpec
+
+    return ModelSpec(family="qwen2", vocab_size=32, hidden_size=16, ffn_hidden_size=32, num_layers=1,
+                     num_attention_heads=2, num_query_groups=1, max_position_embeddings=16)
+
+
+def _buckets(model, device):
+    named = [(name, torch.zeros(p.shape, device=device)) for name, p in model.named_parameters()]
+    return [named[:2], named[2:]]
+
+
+def _recorded_consume(synced, buckets, monkeypatch):
+    handed = []
+    monkeypatch.setattr(synced.engine, "update_weights",
+                        lambda pairs, *, version: handed.extend(tensor for _, tensor in pairs))
+    synced.consume(iter(buckets), version=1)
+    return handed
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_engine_on_the_buckets_device_takes_them_without_a_host_copy(device, monkeypatch):
+    # "meta" stands in for a GPU on the CPU: a host copy of a meta tensor would be a different object.
+    from pipeline.rollout.local import LocalEngine
+    from pipeline.rollout.weight_sync import LocalSyncedEngine, build_hf_model
+
+    engine = LocalEngine(build_hf_model(_spec(), device=device), show_progress=False)
+    assert {p.device.type for p in engine.model.parameters()} == {device}
+    synced = LocalSyncedEngine(engine, bucket_bytes=4096)
+    assert synced.staging_device().type == device
+    buckets = _buckets(engine.model, device)
+    handed = _recorded_consume(synced, buckets, monkeypatch)
+    assert [id(t) for t in handed] == [id(t) for bucket in buckets for _, t in bucket]
+
+
+def test_any_other_engine_gets_host_tensors(monkeypatch):
+    # The process engine's children read host shared memory: its transport stages through the CPU.
+    from pipeline.rollout.weight_sync import LocalSyncedEngine, build_hf_model
+
+    class ProcessLike:
+        def update_weights(self, pairs, *, version):
+            raise AssertionError("replaced by the recorder")
+
+    model = build_hf_model(_spec(), device="meta")
+    synced = LocalSyncedEngine(ProcessLike(), bucket_bytes=4096)
+    assert synced.staging_device() == torch.device("cpu")
+    buckets_device = "cuda" if torch.cuda.is_available() else "cpu"
+    handed = _recorded_consume(synced, _buckets(model, buckets_device), monkeypatch)
+    assert len(handed) == len(list(model.parameters())) and {t.device.type for t in handed} == {"cpu"}
 
 
 def test_synced_engine_reproduces_actor_logprobs_and_follows_updates():
