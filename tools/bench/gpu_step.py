@@ -14,14 +14,18 @@ megatron's local modules otherwise), then:
 * **memory**: the allocator's peak over the steps (``torch.cuda.max_memory_allocated``) and the
   bytes of weights, gradient buffer and optimizer state, each against the planner's prediction
   for this layout (TP=PP=DP=1, no distributed optimizer: one rank has nothing to shard over);
-* **weight sync**: the actor's weights into an HF copy in the in-process engine
-  (``actor_hf_state`` → ``LocalEngine.update_weights``);
+* **weight sync**: the actor's weights into an HF copy in the in-process engine on the same
+  device, as the rl loop does it (``LocalSyncedEngine``, ``rollout.sync_bucket_mb`` buckets:
+  device to device), and through CPU copies of every tensor (``actor_hf_state``: the path
+  before the engine took GPU buckets, and the process engine's), each against the step;
 * **decoding**: ``LocalEngine.generate`` of ``--gen-prompts`` × ``--gen-tokens`` (EOS ignored,
   so every row decodes the full length): generated tokens/s, and its MFU (2·N per token).
 
     python -m tools.bench.gpu_step --config tests/fixtures/model_configs/Qwen2.5-1.5B-Instruct.json --out runs/bench/gpu
 
 Writes ``<out>/gpu_step.json``. On a machine without CUDA it runs on the CPU (use a tiny config).
+Each phase prints one ``phase`` line with the seconds since the start as it ends, so a run cut
+off by a time limit still says how far it got.
 """
 
 from __future__ import annotations
@@ -69,6 +73,19 @@ def _timed(fn: Callable[[], object], repeats: int) -> list[float]:
     return times
 
 
+class _Phases:
+    """Seconds since the start at the end of each phase, printed as it happens and kept for the JSON."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.ends: dict[str, float] = {}
+
+    def done(self, name: str) -> None:
+        _sync()
+        self.ends[name] = round(time.perf_counter() - self.start, 2)
+        print(f"phase {name}: done at {self.ends[name]:.1f} s", flush=True)
+
+
 def _gpu_spec():
     """The planner's card for this GPU (by name), else the H100's figures with the name recorded."""
     if not torch.cuda.is_available():
@@ -99,12 +116,13 @@ def _version(name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
+    phases = _Phases()
     from pipeline.config import OptimConfig, TrainerConfig
     from pipeline.models.spec import ModelSpec
     from pipeline.parallel.rendezvous import initialize_process_context
     from pipeline.rollout.local import LocalEngine
     from pipeline.rollout.types import GenerationRequest, SamplingParams
-    from pipeline.rollout.weight_sync import actor_hf_state, build_hf_model
+    from pipeline.rollout.weight_sync import LocalSyncedEngine, actor_hf_state, build_hf_model, sync_actor_to_engine
     from pipeline.trainer.actor import Actor
     from pipeline.trainer.batch import TrainBatch
     from pipeline.trainer.losses import CrossEntropyLoss
@@ -114,6 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     dims = ModelDims.from_hf_config(args.config)
     gpu, device_name = _gpu_spec()
     context = initialize_process_context(seed=0)
+    phases.done("imports and process group")
     result: dict = {"device": device_name, "torch": torch.__version__, "megatron_core": _version("megatron-core"),
                     "transformer_engine": _version("transformer-engine"), "config": Path(args.config).name,
                     "parameters": dims.num_parameters(), "batch": args.batch, "seq": args.seq, "prompt": args.prompt,
@@ -123,6 +142,7 @@ def run(args: argparse.Namespace) -> dict:
                       trainer=TrainerConfig(precision="bf16", micro_batch_tokens=args.micro_batch_tokens))
         backend = actor.layer_spec_choice.name
         result["layer_spec"] = backend
+        phases.done(f"actor built ({backend} spec)")
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, spec.vocab_size, (args.batch, args.seq), generator=generator)  # (B, T)
         response_mask = (torch.arange(args.seq) >= args.prompt).expand(args.batch, args.seq).clone()  # (B, T)
@@ -131,11 +151,13 @@ def run(args: argparse.Namespace) -> dict:
 
         steps: list = []
         actor.train_step(batch, loss)  # warm-up: allocator, kernels, optimizer state
+        phases.done("warm-up step")
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         train_times = _timed(lambda: steps.append(actor.train_step(batch, loss)), args.steps)
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         stats_times = _timed(lambda: actor.compute_token_stats(batch), args.steps)
+        phases.done("train steps and old-policy passes")
 
         measured = model_state_bytes(actor)
         inputs = plan_inputs(dims, args, backend="te" if backend == "te" else "local", gpu=gpu)
@@ -156,11 +178,16 @@ def run(args: argparse.Namespace) -> dict:
         result["memory"] = {"measured": measured, "allocator_peak": peak, "predicted": predicted,
                             "predicted_total_vs_peak": (predicted["total"] / peak) if peak else None}
 
-        hf = build_hf_model(spec, dtype=torch.bfloat16).to(context.device)
+        hf = build_hf_model(spec, dtype=torch.bfloat16, device=context.device)
         engine = LocalEngine(hf, eos_token_ids=[], pad_token_id=0, show_progress=False,
                              max_batch_rows=args.gen_prompts)
+        phases.done("engine built")
+        synced = LocalSyncedEngine(engine, bucket_bytes=args.sync_bucket_mb * 1024**2)
         versions = iter(range(1, 100))
-        sync_times = _timed(lambda: engine.update_weights(actor_hf_state(actor), version=next(versions)), 2)
+        sync_times = _timed(lambda: sync_actor_to_engine(actor, synced, version=next(versions)), 2)
+        host_times = _timed(lambda: engine.update_weights(actor_hf_state(actor, bucket_bytes=synced.bucket_bytes),
+                                                          version=next(versions)), 2)
+        phases.done("weight syncs")
         prompt_ids = torch.randint(0, spec.vocab_size, (args.gen_prompts, args.prompt), generator=generator)
         requests = [GenerationRequest(prompt_id=str(i), prompt_token_ids=tuple(row.tolist()), num_samples=1)
                     for i, row in enumerate(prompt_ids)]
@@ -169,12 +196,16 @@ def run(args: argparse.Namespace) -> dict:
         engine.generate(requests[:2], SamplingParams(max_new_tokens=4, temperature=1.0, seed=0, ignore_eos=True))
         gen_times = _timed(lambda: completions.append(engine.generate(requests, params)), 1)
         generated = sum(len(c.token_ids) for c in completions[-1])
-        result["sync"] = {"seconds": sync_times, "share_of_train_step": min(sync_times) / step_s}
+        phases.done("decoding")
+        result["sync"] = {"seconds": sync_times, "share_of_train_step": min(sync_times) / step_s,
+                          "staging": str(synced.staging_device()), "bucket_mb": args.sync_bucket_mb,
+                          "host_seconds": host_times, "host_share_of_train_step": min(host_times) / step_s}
         result["decode"] = {"prompts": args.gen_prompts, "new_tokens": args.gen_tokens, "seconds": gen_times[0],
                             "generated_tokens": generated, "tokens_per_s": generated / gen_times[0],
                             "mfu": 2 * dims.num_parameters() * generated / gen_times[0] / peak_flops}
     finally:
         context.destroy()
+    result["phases_s"] = phases.ends
     return result
 
 
@@ -195,8 +226,9 @@ def _print(result: dict) -> None:
         print(f"  allocator peak {memory['allocator_peak'] / GIB:.2f} GiB, planned total "
               f"{memory['predicted']['total'] / GIB:.2f} GiB (planned / peak {memory['predicted_total_vs_peak']:.3f})")
     sync, decode = result["sync"], result["decode"]
-    print(f"weight sync into the local engine: {min(sync['seconds']):.3f} s "
-          f"({sync['share_of_train_step']:.1%} of a train step)")
+    print(f"weight sync into the local engine (buckets staged on {sync['staging']}): {min(sync['seconds']):.3f} s "
+          f"({sync['share_of_train_step']:.1%} of a train step); through CPU copies: "
+          f"{min(sync['host_seconds']):.3f} s ({sync['host_share_of_train_step']:.1%})")
     print(f"decode {decode['prompts']} × {decode['new_tokens']}: {decode['seconds']:.2f} s, "
           f"{decode['tokens_per_s']:,.0f} tokens/s, MFU {decode['mfu']:.4f}")
 
@@ -211,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--gen-prompts", type=int, default=64)
     parser.add_argument("--gen-tokens", type=int, default=256)
+    parser.add_argument("--sync-bucket-mb", type=int, default=512, help="rollout.sync_bucket_mb's default")
     parser.add_argument("--out", default="runs/bench/gpu_step")
     args = parser.parse_args(argv)
     result = run(args)
