@@ -9,7 +9,9 @@ writes, which calls one of three roles:
   this process (one rank) or the torchrun command given after ``--`` (more ranks).
   A stage stopped by SIGTERM/SIGUSR1 after a checkpoint exits 75, so the job is
   requeued and resumes from ``latest``; a user error exits 2 and is not requeued
-  (``pipeline.launch.campaign.job_exit``).
+  (``pipeline.launch.campaign.job_exit``). torchrun dies with this process, and each
+  ``worker`` with torchrun (``pipeline.parallel.lifetime``): a kill -9 of the node role
+  leaves no rank training into the stage's output.
 * ``worker``: one torchrun rank; runs the stage with torchrun's rendezvous, in a process
   group whose collective timeout is ``pipeline.config.collective_timeout_minutes``.
   torchrun exits 1 whatever its failed rank exited with, so a rank that fails with a
@@ -51,6 +53,7 @@ from pipeline.launch.campaign import (
     rl_finished,
     run_stage,
 )
+from pipeline.parallel.lifetime import exit_with_parent, exit_with_parent_preexec
 
 SERVERS_ENV = "WINNOW_ROLLOUT_SERVERS"  # comma-separated URLs, from the first trainer node to its ranks
 NODES_ENV = "WINNOW_NODES"  # the job's host names, in SLURM's order (set by the sbatch script)
@@ -262,7 +265,9 @@ def _run_ranks(launcher: Sequence[str], *, signals: _Signals) -> tuple[int, str]
     """Run torchrun; (exit status, error). A rank's user error turns torchrun's 1 into 2."""
     exit_dir = Path(tempfile.mkdtemp(prefix="winnow-rank-exits-"))
     try:
-        signals.child = subprocess.Popen(list(launcher), env={**os.environ, RANK_EXIT_DIR_ENV: str(exit_dir)})
+        # torchrun dies with this process (a kill -9 of the node role), and its ranks with it (``run_role``).
+        signals.child = subprocess.Popen(list(launcher), env={**os.environ, RANK_EXIT_DIR_ENV: str(exit_dir)},
+                                         preexec_fn=exit_with_parent_preexec())
         code = signals.child.wait()
         errors = [path.read_text().strip() for path in sorted(exit_dir.glob("rank_*"))]
     finally:
@@ -342,6 +347,9 @@ def run_role(role: str, *, campaign_dir: str, stage_name: str, launcher: Sequenc
     plan = CampaignPlan.load(campaign_dir)
     stage = plan.stage(stage_name)
     if role == "worker":
+        # Die with torchrun: a torchrun SIGKILLed (by hand, or with the node role) tells its ranks nothing.
+        # Armed here, in the rank's own process, not in run_worker, which tests call in theirs.
+        exit_with_parent(parent_pid=None)
         return run_worker(stage)
     if role == "serve":
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()

@@ -5,12 +5,18 @@ threads, megatron state or CUDA context inherited), waits for them with a deadli
 and turns a failure into one exception that names the rank and carries its
 traceback. Each rank gets ``(rank, result_dir, *args)``; it writes what it returns
 into ``result_dir`` (a temporary folder that lives until ``run_ranks``' block ends).
+A rank dies with the process that started it (``lifetime.exit_with_parent``): a kill -9 of
+the caller leaves no rank running, and none writes into ``result_dir`` after the caller is
+gone. torch's own death signal for spawned ranks is SIGINT, which a rank inside a C call
+does not act on and which runs its ``except``/``finally`` blocks, and it is set with no
+check for a parent that died while the rank was still importing torch.
 The caller's entry point must guard its main code with ``if __name__ == "__main__":``
 — spawned ranks re-import it.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 import traceback
@@ -21,6 +27,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from pipeline.parallel.lifetime import exit_with_parent
 from pipeline.parallel.rendezvous import free_port
 
 __all__ = ["RankFailure", "free_port", "run_ranks"]
@@ -39,8 +46,9 @@ def _error_path(result_dir: str, rank: int) -> Path:
     return Path(result_dir) / f"rank{rank:05d}.err"
 
 
-def _guarded_rank(rank: int, worker: Callable[..., None], result_dir: str, *args: Any) -> None:
-    """One spawned rank: run ``worker`` and leave its error where the parent reads it."""
+def _guarded_rank(rank: int, worker: Callable[..., None], result_dir: str, parent_pid: int, *args: Any) -> None:
+    """One spawned rank: die with ``parent_pid``, run ``worker``, leave its error where the parent reads it."""
+    exit_with_parent(parent_pid=parent_pid)
     try:
         worker(rank, result_dir, *args)
     except BaseException as error:
@@ -59,7 +67,7 @@ def run_ranks(worker: Callable[..., None], *, args: tuple[Any, ...], num_ranks: 
     when a rank raises or dies; every rank still alive is terminated either way.
     """
     with tempfile.TemporaryDirectory(prefix="winnow-ranks-") as result_dir:
-        processes = mp.start_processes(_guarded_rank, args=(worker, result_dir, *args), nprocs=num_ranks,
+        processes = mp.start_processes(_guarded_rank, args=(worker, result_dir, os.getpid(), *args), nprocs=num_ranks,
                                        join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:

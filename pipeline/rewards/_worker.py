@@ -1,8 +1,8 @@
 """The grading worker process: ``worker_main`` runs in each ``GradingPool`` process.
 
-This module is the forkserver preload, so importing it must load everything a worker
-needs (math-verify, sympy, the antlr LaTeX parser): new workers then fork from a warm
-server in milliseconds instead of paying the ~0.5 s import after every SIGKILL.
+The forkserver preloads this module (through ``_forkserver``), so importing it must load
+everything a worker needs (math-verify, sympy, the antlr LaTeX parser): new workers then
+fork from a warm server in milliseconds instead of paying the ~0.5 s import after every SIGKILL.
 
 Protocol over a duplex ``Connection`` (picklable primitives only, never sympy objects):
 
@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 
 import psutil
 
+from pipeline.parallel.lifetime import exit_with_parent
 from pipeline.rewards import grader
 from pipeline.rewards.grader import GradeOptions, PendingGrade, Reason
 
@@ -120,6 +121,9 @@ def _set_memory_cap(memory_limit_mb: int | None) -> str | None:
 
 def worker_main(conn: Connection, options: GradeOptions, memory_limit_mb: int | None) -> None:
     """Grade items from ``conn`` until told to stop or the parent goes away."""
+    # Die with the parent (the forkserver, or the owner under spawn) even mid-item: nobody
+    # is left to read the grade, and a stuck item would otherwise hold a core indefinitely.
+    exit_with_parent(parent_pid=None)
     # Ctrl-C reaches the whole process group; the parent owns shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     error = _set_memory_cap(memory_limit_mb)

@@ -32,6 +32,14 @@ of a warm server rather than a sympy import. The parent installs no signal handl
 so the pool is safe to use from the trainer's main thread; ``grade_batch`` calls are
 serialized by a lock. As with any ``multiprocessing`` user, a script that creates a
 pool needs an ``if __name__ == "__main__":`` guard.
+
+A kill -9 of the pool's owner leaves no worker behind, not even one stuck in a C call: the
+forkserver dies with its owner and each worker with the forkserver (Linux death signals,
+``pipeline.parallel.lifetime``; a ``spawn`` worker dies with the owner directly). The
+forkserver is started by the thread that constructs the first pool and dies when that
+thread exits, so construct pools on a thread that outlives them (the main thread). If this
+process had started its forkserver before the first pool (without this preload), idle
+workers still exit at their pipe's end of file, but a busy one finishes its item first.
 """
 
 from __future__ import annotations
@@ -55,7 +63,8 @@ from pipeline.rewards.grader import Grade, GradeOptions, PendingGrade, Reason, a
 
 __all__ = ["GradingPool"]
 
-_WORKER_MODULE = "pipeline.rewards._worker"
+# The forkserver's preload: arms its death signal, then imports the worker module.
+_FORKSERVER_PRELOAD = "pipeline.rewards._forkserver"
 # After this many failed worker starts in a row within one batch (crash, or no
 # "ready" within startup_timeout_s) per worker slot, the items still queued fail with
 # worker_error instead of being retried forever.
@@ -188,7 +197,7 @@ class GradingPool:
         self._context = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             # Takes effect only if this process has not started its forkserver yet.
-            self._context.set_forkserver_preload([_WORKER_MODULE])
+            self._context.set_forkserver_preload([_FORKSERVER_PRELOAD])
         self._lock = threading.Lock()
         self._closed = False
         self._start_failures = 0

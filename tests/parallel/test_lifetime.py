@@ -1,0 +1,197 @@
+"""kill -9 of a process that started children: every child is gone within seconds.
+
+A parent script (a fresh interpreter, so the test can SIGKILL it) starts children the way
+winnow does; the test kills it and reads ``/proc`` until every child has exited. Without
+``pipeline.parallel.lifetime`` each case below leaves its children running: a spawned rank
+finishes its work (torch's own SIGINT death signal runs its ``finally`` blocks, and is never
+armed when the parent dies while the rank imports torch), a launcher's torchrun runs on.
+The grading pool's case is in ``tests/rewards/test_pool_lifetime.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.parallel.lifetime import POLL_S
+
+REPO = Path(__file__).resolve().parents[2]
+GONE_WITHIN_S = 10.0  # generous on a loaded 2-core machine; the kernel's death signal takes milliseconds
+STARTUP_TIMEOUT_S = 120.0
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def alive(pid: int) -> bool:
+    """Process ``pid`` exists and has not exited (a zombie nobody has reaped yet counts as exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid``, from every thread's ``children`` list."""
+    found: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            found += [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def wait_until_gone(pids: list[int], timeout_s: float = GONE_WITHIN_S) -> list[int]:
+    """Polls until every pid has exited; returns the survivors at the deadline, SIGKILLed so none leak."""
+    deadline = time.monotonic() + timeout_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    survivors = [pid for pid in pids if alive(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    return survivors
+
+
+def start_parent(tmp: Path, source: str, *args: str) -> subprocess.Popen:
+    """Runs ``source`` as a script in a fresh interpreter (spawned children re-import it)."""
+    script = tmp / "parent.py"
+    script.write_text(textwrap.dedent(source))
+    return subprocess.Popen([sys.executable, str(script), *args], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_9(parent: subprocess.Popen) -> None:
+    parent.send_signal(signal.SIGKILL)
+    assert parent.wait(timeout=30) == -signal.SIGKILL
+
+
+def wait_for(condition, parent: subprocess.Popen, what: str):
+    """Polls ``condition()`` until it is truthy; fails with the parent's output if the parent dies first."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not (found := condition()):
+        if parent.poll() is not None or time.monotonic() > deadline:
+            parent.kill()
+            pytest.fail(f"{what} never happened:\n{parent.stdout.read()}")
+        time.sleep(0.01)
+    return found
+
+
+RANKS_PARENT = """
+    import os, sys, time
+    from pathlib import Path
+
+    from pipeline.parallel.launch import run_ranks
+
+    def rank_main(rank, result_dir, marks):
+        (Path(marks) / f"started_{rank}").write_text(str(os.getpid()))
+        try:
+            time.sleep(120)  # a long collective, a benchmark, a conversion
+        finally:
+            # What a rank unwinding after its parent's death could do: write into a shared folder.
+            (Path(marks) / f"late_{rank}").write_text("written after the parent died")
+
+    if __name__ == "__main__":
+        with run_ranks(rank_main, args=(sys.argv[1],), num_ranks=2, timeout_s=600, description="sleep"):
+            pass
+"""
+
+
+def test_spawned_ranks_die_with_their_parent_and_write_nothing_after(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    parent = start_parent(tmp_path, RANKS_PARENT, str(marks))
+    started = wait_for(lambda: len(found := sorted(marks.glob("started_*"))) == 2 and found, parent, "two ranks")
+    ranks = [int(path.read_text()) for path in started]
+    kill_9(parent)
+    assert wait_until_gone(ranks) == []
+    time.sleep(0.2)  # a rank's finally block, had it run, writes at once
+    assert not list(marks.glob("late_*")), "a rank ran its cleanup after its parent died"
+
+
+def test_ranks_spawned_just_before_their_parent_dies_never_run(tmp_path):
+    """The window before a rank arms its death signal: the parent dies while the rank imports torch."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    parent = start_parent(tmp_path, RANKS_PARENT, str(marks))
+    ranks = wait_for(lambda: len(found := [pid for pid in children(parent.pid) if "spawn_main" in cmdline(pid)]) == 2
+                     and found, parent, "two spawned ranks")
+    kill_9(parent)
+    assert wait_until_gone(ranks) == []
+    assert not list(marks.glob("started_*")), "a rank started its work after its parent had died"
+
+
+ARMED_CHILD = """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+    print(child.pid, flush=True)
+    time.sleep(120)
+"""
+ARM_THEN_SLEEP = """
+import sys, time
+from pipeline.parallel import lifetime
+{setup}
+print(lifetime.exit_with_parent(parent_pid={parent_pid}), flush=True)
+time.sleep(120)
+"""
+NO_PRCTL = "lifetime._load_prctl = lambda: None  # as on a system without prctl"
+
+
+@pytest.mark.parametrize(("setup", "mechanism"), [("", "prctl"), (NO_PRCTL, "poll")], ids=["prctl", "poll"])
+def test_an_armed_child_dies_with_its_parent(tmp_path, setup, mechanism):
+    parent = start_parent(tmp_path, ARMED_CHILD, ARM_THEN_SLEEP.format(setup=setup, parent_pid=None))
+    child = int(parent.stdout.readline())
+    assert parent.stdout.readline().strip() == mechanism  # armed
+    kill_9(parent)
+    assert wait_until_gone([child], timeout_s=max(GONE_WITHIN_S, 4 * POLL_S)) == []
+
+
+@pytest.mark.parametrize("setup", ["", NO_PRCTL], ids=["prctl", "poll"])
+def test_a_child_whose_parent_is_already_gone_dies_when_it_arms(setup):
+    # Parent pid 1 stands for "the parent I was started by": it is not our parent any more.
+    result = subprocess.run([sys.executable, "-c", ARM_THEN_SLEEP.format(setup=setup, parent_pid=1)], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (-signal.SIGKILL, "")
+
+
+LAUNCHER_PARENT = """
+    import sys
+    from pipeline.launch import task
+
+    # The node role running a launcher (torchrun in a job; here a stand-in that sleeps).
+    task._run_ranks([sys.executable, "-c", "import time; print('launched', flush=True); time.sleep(120)"],
+                    signals=task._Signals())
+"""
+
+
+def test_a_node_roles_launcher_dies_with_it(tmp_path):
+    parent = start_parent(tmp_path, LAUNCHER_PARENT)
+    assert parent.stdout.readline().strip() == "launched"
+    launchers = children(parent.pid)
+    assert len(launchers) == 1
+    kill_9(parent)
+    assert wait_until_gone(launchers) == []
