@@ -419,14 +419,12 @@ class RolloutConfig:
     )
 
     max_staleness: int = option(
-        0, ge=0, le=1, help="0: the synchronous loop; 1: the next step's batch is generated (by the local engine in "
-        "its own process) while this step updates, with weights one version old (docs/rl.md, One-step-off-policy "
-        "rollouts)"
+        0, ge=0, le=1, help="0: the synchronous loop; 1: the next step's batch is generated (by the SGLang servers, "
+        "or the local engine in its own process) while this step updates, with weights one version old (docs/rl.md, "
+        "One-step-off-policy rollouts)"
     )
 
     def __post_init__(self) -> None:
-        _require(self.max_staleness == 0 or self.engine == "local", "max_staleness",
-                 "generation ahead of the update runs with engine=local only; use max_staleness=0 with sglang")
         if self.engine == "sglang":
             _require(bool(self.servers), "servers", "engine=sglang needs at least one server URL")
             _require(self.min_servers <= len(self.servers), "min_servers",

@@ -27,6 +27,7 @@ are validated and answered, nothing is received). ``--die-on-bucket N``:
 ``os._exit`` when the N-th distributed update arrives, before it receives anything.
 
 ``GET /model_info`` answers SGLang's ``GetModelInfoResponse`` with the served weight version.
+``--vocab-size V`` keeps the tokens below V, so a real (tiny) policy can train on them.
 ``--port P`` binds a fixed port (default: any free one), so a supervisor can restart the server at
 the URL the client knows; every line of ``--log`` names the process id that wrote it.
 
@@ -34,6 +35,8 @@ Modes: ``ok``; ``http500`` (every /generate → 500); ``http400`` (every /genera
 as SGLang answers a request it refuses); ``malformed`` (200 with a body
 that is not JSON); ``hang_generate`` (/generate never answers, /health does);
 ``die_after`` (``os._exit`` when the ``--die-after``-th /generate arrives, before answering).
+In any mode, ``--die-after-updates K`` exits at the first /generate after the K-th
+``/update_weights_from_disk``: while it generates with version K's weights.
 """
 
 from __future__ import annotations
@@ -60,14 +63,15 @@ MODES = ("ok", "http500", "http400", "malformed", "hang_generate", "die_after")
 
 
 def expected_sample(
-    prompt_ids: list[int], *, sampling_seed: int, weight_version: str, max_new_tokens: int, stop_token_ids: list[int]
+    prompt_ids: list[int], *, sampling_seed: int, weight_version: str, max_new_tokens: int, stop_token_ids: list[int],
+    vocab_size: int = FAKE_VOCAB,
 ) -> tuple[list[int], list[float], str]:
-    """The fake model: ``(token_ids, logprobs, finish type)`` of one sample."""
+    """The fake model: ``(token_ids, logprobs, finish type)`` of one sample, tokens below ``vocab_size``."""
     rng = random.Random(f"{prompt_ids}|{sampling_seed}|{weight_version}")
     tokens: list[int] = []
     logprobs: list[float] = []
     for _ in range(max_new_tokens):
-        token = rng.randrange(FAKE_VOCAB)
+        token = rng.randrange(vocab_size)
         tokens.append(token)
         logprobs.append(-round(rng.random() * 4.0, 6))
         if token in stop_token_ids:
@@ -85,6 +89,7 @@ class _State:
         self.lock = threading.Lock()
         self.weight_version = args.weight_version
         self.num_generate = 0
+        self.num_updates = 0  # /update_weights_from_disk requests answered
         self.session_open = False
         self.log = open(args.log, "a") if args.log else None
         self.update_lock = threading.Lock()  # SGLang applies one weight update at a time
@@ -161,6 +166,7 @@ def _generate(state: _State, body: Any) -> tuple[int, Any]:
                 weight_version=state.weight_version,
                 max_new_tokens=sampling.max_new_tokens,
                 stop_token_ids=list(sampling.stop_token_ids or []),
+                vocab_size=state.args.vocab_size,
             )
             finish_reason = (
                 api.FinishStop(matched=tokens[-1]) if finish == "stop" else api.FinishLength(length=len(tokens))
@@ -246,6 +252,8 @@ class _Handler(BaseHTTPRequestHandler):
                 count = state.num_generate
             if mode == "die_after" and count > state.args.die_after:
                 os._exit(3)
+            if 0 < state.args.die_after_updates <= state.num_updates:
+                os._exit(3)
             if mode == "hang_generate":
                 threading.Event().wait()
             time.sleep(state.args.delay_s)
@@ -308,6 +316,8 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 if getattr(decoded, "weight_version", None) is not None:
                     state.weight_version = decoded.weight_version
+                if self.path == "/update_weights_from_disk":
+                    state.num_updates += 1
                 self._send(200, {"success": True, "message": "Succeeded to update model weights."})
         else:
             self._send(404, {"detail": "Not Found"})
@@ -327,7 +337,12 @@ def main() -> None:
     parser.add_argument("--die-on-bucket", type=int, default=0)
     parser.add_argument("--group-timeout-s", type=float, default=10.0)
     parser.add_argument("--weights-out", default="")
+    parser.add_argument("--vocab-size", type=int, default=FAKE_VOCAB)
+    parser.add_argument("--die-after-updates", type=int, default=0)
     args = parser.parse_args()
+    # SGLang's uvicorn listens with a backlog of 2048; the stdlib default of 5 resets connections
+    # when the engine opens one per request in flight to a single server.
+    ThreadingHTTPServer.request_queue_size = 256
     server = ThreadingHTTPServer(("127.0.0.1", args.port), _Handler)
     server.daemon_threads = True
     server.state = _State(args)  # type: ignore[attr-defined]
@@ -342,7 +357,8 @@ class FakeServer:
 
     def __init__(self, tmp_path: Path, name: str, *, mode: str = "ok", delay_s: float = 0.0, die_after: int = 0,
                  weight_version: str = "default", fail_updates: bool = False, join_groups: bool = False,
-                 die_on_bucket: int = 0, group_timeout_s: float = 10.0) -> None:
+                 die_on_bucket: int = 0, group_timeout_s: float = 10.0, vocab_size: int = FAKE_VOCAB,
+                 die_after_updates: int = 0) -> None:
         self.weights_path = tmp_path / f"{name}.weights.safetensors"
         self.port_file = tmp_path / f"{name}.port"
         self.log_path = tmp_path / f"{name}.jsonl"
@@ -357,6 +373,8 @@ class FakeServer:
             "--die-on-bucket", str(die_on_bucket),
             "--group-timeout-s", str(group_timeout_s),
             "--weights-out", str(self.weights_path),
+            "--vocab-size", str(vocab_size),
+            "--die-after-updates", str(die_after_updates),
         ] + (["--fail-updates"] if fail_updates else []) + (["--join-groups"] if join_groups else [])
         self.name = name
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
