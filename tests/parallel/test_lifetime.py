@@ -195,3 +195,29 @@ def test_a_node_roles_launcher_dies_with_it(tmp_path):
     assert len(launchers) == 1
     kill_9(parent)
     assert wait_until_gone(launchers) == []
+
+
+TORCHRUN_STAND_IN = """
+    import subprocess, sys, time
+    # Stands in for torchrun: starts one rank of the ``worker`` role, whose stage sleeps.
+    rank = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+    print(rank.pid, flush=True)
+    time.sleep(120)
+"""
+WORKER_ROLE = """
+import time, types
+from pipeline.launch import task
+
+stage = object()
+task.CampaignPlan = types.SimpleNamespace(load=lambda campaign_dir: types.SimpleNamespace(stage=lambda name: stage))
+task.run_worker = lambda stage: print("training", flush=True) or time.sleep(120)
+task.run_role("worker", campaign_dir="unused", stage_name="rl")
+"""
+
+
+def test_a_worker_role_rank_dies_with_its_torchrun(tmp_path):
+    parent = start_parent(tmp_path, TORCHRUN_STAND_IN, WORKER_ROLE)
+    rank = int(parent.stdout.readline())
+    assert parent.stdout.readline().strip() == "training"
+    kill_9(parent)
+    assert wait_until_gone([rank]) == []
