@@ -37,7 +37,8 @@ A kill -9 of the pool's owner leaves no worker behind, not even one stuck in a C
 forkserver dies with its owner and each worker with the forkserver (Linux death signals,
 ``pipeline.parallel.lifetime``; a ``spawn`` worker dies with the owner directly). The
 forkserver is started by the thread that constructs the first pool and dies when that
-thread exits, so construct pools on a thread that outlives them (the main thread). If this
+thread exits, so construct pools on a thread that outlives them (the main thread); under
+``spawn`` a replacement worker is tied to the thread that called ``grade_batch``. If this
 process had started its forkserver before the first pool (without this preload), idle
 workers still exit at their pipe's end of file, but a busy one finishes its item first.
 """
