@@ -60,6 +60,7 @@ __all__ = [
     "end_weight_update_body",
     "generate_body",
     "init_weights_update_group_body",
+    "destroy_weights_update_group_body",
     "launch_command",
     "memory_occupation_body",
     "parse_generate_response",
@@ -82,6 +83,7 @@ UPDATE_FROM_DISK_PATH = "/update_weights_from_disk"
 UPDATE_FROM_TENSOR_PATH = "/update_weights_from_tensor"
 UPDATE_FROM_DISTRIBUTED_PATH = "/update_weights_from_distributed"
 INIT_UPDATE_GROUP_PATH = "/init_weights_update_group"
+DESTROY_UPDATE_GROUP_PATH = "/destroy_weights_update_group"
 RELEASE_MEMORY_PATH = "/release_memory_occupation"
 RESUME_MEMORY_PATH = "/resume_memory_occupation"
 BEGIN_WEIGHT_UPDATE_PATH = "/begin_weight_update"
@@ -395,6 +397,11 @@ def init_weights_update_group_body(
         "group_name": group_name,
         "backend": backend,
     }
+
+
+def destroy_weights_update_group_body(group_name: str) -> dict[str, Any]:
+    """``DestroyWeightsUpdateGroupReqInput``: leave (and free) the broadcast group ``group_name``."""
+    return {"group_name": group_name}
 
 
 def begin_weight_update_body(selector: str = "all") -> dict[str, Any]:

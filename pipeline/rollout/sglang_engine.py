@@ -915,6 +915,25 @@ class SGLangEngine:
         if failed:
             raise RolloutError(f"init_weights_update_group failed: {'; '.join(f'{s.url}: {why}' for s, why in failed)}")
 
+    def destroy_weights_update_group(self, group_name: str, *, urls: Sequence[str]) -> list[str]:
+        """Have the live servers among ``urls`` leave ``group_name``; returns the URLs that did.
+
+        Each group a server joins holds a communicator until it is destroyed: for NCCL, its
+        buffers in GPU memory (tens of MB per group and channel count) and its sockets. A new
+        group forms after every server failure, so without this a long campaign's survivors
+        would keep one per failure. Best effort: a server that cannot answer (it died) holds
+        nothing any more, and one that refuses is logged and keeps serving.
+        """
+        targets = [server for server in self._servers if server.url in set(urls) and server.state == "live"]
+        if not targets:
+            return []
+        body = api.destroy_weights_update_group_body(group_name)
+        left, failed = _run_sync(self._admin_checked(api.DESTROY_UPDATE_GROUP_PATH, lambda i, s: body,
+                                                     servers=targets))
+        for server, why in failed:
+            logger.warning("SGLang server %s did not leave the old update group %s: %s", server.url, group_name, why)
+        return [server.url for server in left]
+
     def update_weights_from_distributed(
         self,
         names: Sequence[str],

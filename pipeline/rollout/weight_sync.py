@@ -313,6 +313,7 @@ class DistributedSyncedEngine(_Wrapped):
         self.timeout_s = timeout_s
         self._group: UpdateGroup | None = None
         self._members: list[tuple[str, int]] = []  # (URL, failures so far) of the servers in the current group
+        self._left_behind: list[tuple[str, list[tuple[str, int]]]] = []  # closed groups' (name, members)
         self._groups_formed = 0
 
     def plan(self, version: int) -> SyncPlan:
@@ -324,8 +325,13 @@ class DistributedSyncedEngine(_Wrapped):
         if self._group is not None and members == self._members:
             return self._group
         # A member failed since the group formed (a restarted process is no member of it) or left:
-        # a new group. The old one is left to the servers still in it; SGLang holds one per name.
+        # a new group. The members that stayed up leave the old one first, so a server holds one
+        # group (one communicator's buffers) however many failures a campaign sees.
         self._disconnect()
+        for name, old_members in self._left_behind:
+            survivors = [url for url, failed_before in old_members if failures.get(url) == failed_before]
+            self.engine.destroy_weights_update_group(name, urls=survivors)
+        self._left_behind = []
         world_size = 1 + len(members) * self.server_ranks
         port = free_port()
         name = f"winnow-weights-{self._groups_formed}"
@@ -349,6 +355,9 @@ class DistributedSyncedEngine(_Wrapped):
     def _disconnect(self) -> None:
         if self._group is not None:
             self._group.destroy()
+            # Its members that are still up leave it at the next connect, not now: this may be
+            # the middle of a failed broadcast, with a server still blocked in it.
+            self._left_behind.append((self._group.name, self._members))
             self._group = None
             self._members = []
 

@@ -193,6 +193,7 @@ _UPDATE_STRUCTS = {
     "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
     "/begin_weight_update": "BeginWeightUpdateReqInput",
@@ -302,6 +303,15 @@ class _Handler(BaseHTTPRequestHandler):
                 with state.update_lock:
                     success, message = state.join_group(decoded)
                 self._send(200, {"success": success, "message": message})
+            elif self.path == "/destroy_weights_update_group" and state.args.join_groups:
+                with state.update_lock:  # SGLang's answers (model_runner weight_updater.py, 0.5.23)
+                    group = state.groups.pop(decoded.group_name, None)
+                    if group is not None:
+                        group.destroy()
+                if group is None:
+                    self._send(400, {"success": False, "message": "The group to be destroyed does not exist."})
+                else:
+                    self._send(200, {"success": True, "message": "Succeeded to destroy custom process group."})
             elif self.path == "/update_weights_from_distributed" and state.args.join_groups:
                 with state.lock:
                     state.num_buckets += 1

@@ -306,11 +306,14 @@ def _distributed_worker(rank: int, world_size: int, tmp_dir: str) -> dict[str, A
         completions = client.generate(_requests(2), PARAMS)
         _assert_exact_delivery(completions, _requests(2), version=2)
         paths = [r["path"] for r in fleet.records(1) if r["pid"] == new_pid]
+        # The server that stayed up left the first group before joining the second: one communicator each.
+        survivor = [(r["path"], r["body"].get("group_name")) for r in fleet.records(0)
+                    if r["path"] in ("/init_weights_update_group", "/destroy_weights_update_group")]
         engine.close()
         return {"stale": stale, "restarted": new_pid != first_pid, "live": client.live_servers, "urls": fleet.urls,
                 "equal": received.keys() == expected.keys() and all(torch.equal(received[k], v)
                                                                    for k, v in expected.items()),
-                "paths": paths}
+                "paths": paths, "survivor": survivor}
 
 
 @pytest.mark.slow  # a spawned trainer rank and torch-importing servers: 10 s idle, 40 s on a loaded machine
@@ -327,6 +330,9 @@ def test_a_restarted_server_rejoins_a_new_update_group_before_it_serves(tmp_path
     paths = outcome["paths"]
     assert paths[0] == "/init_weights_update_group" and "/generate" in paths
     assert paths.index("/end_weight_update") < paths.index("/generate")
+    assert outcome["survivor"] == [("/init_weights_update_group", "winnow-weights-0"),
+                                   ("/destroy_weights_update_group", "winnow-weights-0"),
+                                   ("/init_weights_update_group", "winnow-weights-1")]
 
 
 def test_model_info_version_is_read_from_sglangs_own_response_struct():

@@ -179,6 +179,11 @@ def test_update_weights_from_distributed_and_group_bodies() -> None:
     )
     decoded_group = _decode_io_struct("InitWeightsUpdateGroupReqInput", group)
     assert (decoded_group.rank_offset, decoded_group.world_size, decoded_group.backend) == (3, 5, "nccl")
+    destroy = _decode_io_struct("DestroyWeightsUpdateGroupReqInput",
+                                api.destroy_weights_update_group_body("winnow-weights-3"))
+    assert destroy.group_name == "winnow-weights-3"
+    server_source = (sglang_schema.sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text()
+    assert f'@app.post("{api.DESTROY_UPDATE_GROUP_PATH}")' in server_source
 
 
 def test_memory_occupation_bodies() -> None:
