@@ -11,7 +11,8 @@ writes, which calls one of three roles:
   requeued and resumes from ``latest``; a user error exits 2 and is not requeued
   (``pipeline.launch.campaign.job_exit``). torchrun dies with this process, and each
   ``worker`` with torchrun (``pipeline.parallel.lifetime``): a kill -9 of the node role
-  leaves no rank training into the stage's output.
+  leaves no rank training into the stage's output, and no megatron checkpoint writer
+  of this process or of a rank writing into it.
 * ``worker``: one torchrun rank; runs the stage with torchrun's rendezvous, in a process
   group whose collective timeout is ``pipeline.config.collective_timeout_minutes``.
   torchrun exits 1 whatever its failed rank exited with, so a rank that fails with a
@@ -53,7 +54,11 @@ from pipeline.launch.campaign import (
     rl_finished,
     run_stage,
 )
-from pipeline.parallel.lifetime import exit_with_parent, exit_with_parent_preexec
+from pipeline.parallel.lifetime import (
+    exit_with_parent,
+    exit_with_parent_preexec,
+    megatron_checkpoint_writers_die_with_this_process,
+)
 
 SERVERS_ENV = "WINNOW_ROLLOUT_SERVERS"  # comma-separated URLs, from the first trainer node to its ranks
 NODES_ENV = "WINNOW_NODES"  # the job's host names, in SLURM's order (set by the sbatch script)
@@ -64,6 +69,8 @@ RANK_EXIT_DIR_ENV = "WINNOW_RANK_EXIT_DIR"
 USER_ERRORS = (UserError, FileNotFoundError)
 ROLLOUT_DIR = "rollout"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# Stages that write megatron checkpoints, whose writer starts helper processes (``pipeline.parallel.lifetime``).
+MEGATRON_CHECKPOINT_KINDS = ("bootstrap", "rl", "convert")
 
 
 def _attempt_token() -> str:
@@ -350,6 +357,8 @@ def run_role(role: str, *, campaign_dir: str, stage_name: str, launcher: Sequenc
         # Die with torchrun: a torchrun SIGKILLed (by hand, or with the node role) tells its ranks nothing.
         # Armed here, in the rank's own process, not in run_worker, which tests call in theirs.
         exit_with_parent(parent_pid=None)
+        if stage.kind in MEGATRON_CHECKPOINT_KINDS:
+            megatron_checkpoint_writers_die_with_this_process()
         return run_worker(stage)
     if role == "serve":
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -362,4 +371,6 @@ def run_role(role: str, *, campaign_dir: str, stage_name: str, launcher: Sequenc
                      max_restarts=rollout.max_server_failures, health_timeout_s=rollout.health_timeout_s,
                      startup_timeout_s=servers.startup_timeout_s, min_servers=rollout.min_servers,
                      servers_elsewhere=(servers.nodes - 1) * servers.servers_per_node)
+    if not launcher and stage.kind in MEGATRON_CHECKPOINT_KINDS:  # this process writes the checkpoints itself
+        megatron_checkpoint_writers_die_with_this_process()
     return run_node(plan, stage, launcher=launcher)

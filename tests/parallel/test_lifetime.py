@@ -208,7 +208,7 @@ WORKER_ROLE = """
 import time, types
 from pipeline.launch import task
 
-stage = object()
+stage = types.SimpleNamespace(kind="rl")  # a kind that writes megatron checkpoints: its writers are armed too
 task.CampaignPlan = types.SimpleNamespace(load=lambda campaign_dir: types.SimpleNamespace(stage=lambda name: stage))
 task.run_worker = lambda stage: print("training", flush=True) or time.sleep(120)
 task.run_role("worker", campaign_dir="unused", stage_name="rl")
@@ -218,6 +218,42 @@ task.run_role("worker", campaign_dir="unused", stage_name="rl")
 def test_a_worker_role_rank_dies_with_its_torchrun(tmp_path):
     parent = start_parent(tmp_path, TORCHRUN_STAND_IN, WORKER_ROLE)
     rank = int(parent.stdout.readline())
-    assert parent.stdout.readline().strip() == "training"
+    wait_for(lambda: parent.stdout.readline().strip() == "training", parent, "the stage")  # after megatron's warnings
     kill_9(parent)
     assert wait_until_gone([rank]) == []
+
+
+MEGATRON_SAVER = """
+    import multiprocessing, sys
+    from functools import partial
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from pipeline.parallel import lifetime
+
+    if __name__ == "__main__":
+        lifetime.megatron_checkpoint_writers_die_with_this_process()
+        lifetime.megatron_checkpoint_writers_die_with_this_process()  # idempotent
+        queue = filesystem_async._get_write_results_queue()  # megatron's manager, as at the first save
+        # One writer, as megatron forks it per write bucket; it blocks opening a FIFO no one reads,
+        # as a writer blocks on a slow shared filesystem.
+        fork = multiprocessing.get_context("fork")
+        writer = fork.Process(target=partial(filesystem_async.FileSystemWriterAsync.write_preloaded_data, []),
+                              kwargs=dict(local_proc_idx=0, write_bucket=(sys.argv[1], "key", ([], [])),
+                                          results_queue=fork.Queue(), count_queue=fork.JoinableQueue(),
+                                          use_fsync=False))
+        writer.start()
+        print("helpers", queue._manager._process.pid, writer.pid, flush=True)
+        writer.join()
+"""
+
+
+def test_megatrons_checkpoint_helpers_die_with_the_saving_process(tmp_path):
+    fifo = tmp_path / "bucket_0.distcp"
+    os.mkfifo(fifo)
+    parent = start_parent(tmp_path, MEGATRON_SAVER, str(fifo))
+    line = wait_for(lambda: (text := parent.stdout.readline()).startswith("helpers") and text, parent,
+                    "megatron's manager and a writer")  # after megatron's import warnings
+    helpers = [int(pid) for pid in line.split()[1:]]
+    assert len(helpers) == 2 and all(alive(pid) for pid in helpers), line
+    kill_9(parent)
+    assert wait_until_gone(helpers) == []
