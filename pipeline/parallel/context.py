@@ -17,10 +17,8 @@ ranks are adjacent global ranks and pipeline stages are the outermost split.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -147,8 +145,7 @@ class ParallelContext:
         enabled_cpu_compat = False
         if device.type == "cpu":
             enabled_cpu_compat = not cpu_compat.is_enabled()
-            with _cuda_hidden(has_cuda):
-                cpu_compat.enable()
+            cpu_compat.enable(with_cuda=True)  # a gloo context on a CUDA machine computes on the CPU too
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
@@ -332,27 +329,6 @@ def device_for_backend(backend: str, *, local_rank: int, has_cuda: bool) -> torc
             raise ValueError("backend: 'nccl' needs CUDA; use 'gloo' on a CPU-only machine")
         return torch.device("cuda", local_rank)
     raise ValueError(f"backend: expected 'nccl' or 'gloo', got {backend!r}")
-
-
-@contextlib.contextmanager
-def _cuda_hidden(has_cuda: bool) -> Iterator[None]:
-    """``torch.cuda.is_available()`` reads ``False`` inside, on a CUDA machine.
-
-    ``cpu_compat.enable`` does nothing where CUDA exists, but a gloo context there needs
-    the layer as much as a CPU-only machine does: megatron moves RoPE's inverse
-    frequencies to ``torch.cuda.current_device()`` at the first forward and builds its
-    optimizer's found-inf and grad-norm tensors with ``device="cuda"``, whatever device
-    the weights are on.
-    """
-    if not has_cuda:
-        yield
-        return
-    available = torch.cuda.is_available
-    torch.cuda.is_available = lambda: False
-    try:
-        yield
-    finally:
-        torch.cuda.is_available = available
 
 
 def _from_env(value: int | None, name: str) -> int | None:

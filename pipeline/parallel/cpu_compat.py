@@ -164,13 +164,16 @@ def is_enabled() -> bool:
     return _INSTALLED is not None and getattr(_THREAD, "mode", None) is not None
 
 
-def enable() -> bool:
+def enable(*, with_cuda: bool = False) -> bool:
     """Install the CPU compatibility patches; idempotent, a no-op when CUDA is available.
 
-    Returns whether the layer is active (always ``False`` on a CUDA machine).
+    ``with_cuda``: install them on a CUDA machine too, for a context that computes on the CPU
+    there (gloo): megatron moves RoPE's inverse frequencies to ``torch.cuda.current_device()``
+    at the first forward and builds its optimizer's found-inf and grad-norm tensors with
+    ``device="cuda"``, whatever device the weights are on. Returns whether the layer is active.
     """
     global _INSTALLED
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not with_cuda:
         return False
     with _LOCK:
         if _INSTALLED is None:

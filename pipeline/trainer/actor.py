@@ -147,7 +147,12 @@ class Actor:
         self.device = context.device
         fp8 = FP8Options(enabled=True, recipe=trainer.fp8) if trainer.fp8 != "off" else None
         self.token_multiple = fp8.token_multiple if fp8 is not None else 1
-        layer_spec, self.layer_spec_choice = select_layer_spec(spec, fp8=fp8)
+        # TE's layers run on the GPU only: a context that computes on the CPU (gloo, also on a
+        # CUDA machine) takes the local spec even where TE is installed.
+        if fp8 is not None and self.device.type != "cuda":
+            raise ValueError(f"trainer.fp8={trainer.fp8}: FP8 needs Transformer Engine and CUDA; this rank "
+                             f"computes on the {self.device.type} (backend gloo or no GPU)")
+        layer_spec, self.layer_spec_choice = select_layer_spec(spec, fp8=fp8, prefer_te=self.device.type == "cuda")
         bf16 = trainer.precision == "bf16"
         model = build_gpt_model(
             spec, parallel_context=context, seed=seed, layer_spec=(layer_spec, self.layer_spec_choice),

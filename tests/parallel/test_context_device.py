@@ -55,7 +55,7 @@ def test_gloo_context_on_a_cuda_machine_builds_and_runs_a_cpu_model(monkeypatch)
                                          master_addr="127.0.0.1", master_port=free_port(), backend="gloo")
     try:
         assert context.device == torch.device("cpu")
-        # The CPU layer is on although CUDA "exists", and is_available is restored after enabling it.
+        # The CPU layer is on although CUDA "exists", which it still reports.
         assert cpu_compat.is_enabled() and torch.cuda.is_available()
         model = build_gpt_model(SPEC, parallel_context=context, seed=1)
         assert model.config.use_cpu_initialization and not model.config.masked_softmax_fusion
@@ -68,6 +68,15 @@ def test_gloo_context_on_a_cuda_machine_builds_and_runs_a_cpu_model(monkeypatch)
         assert logits.device.type == "cpu" and model.rotary_pos_emb.inv_freq.device.type == "cpu"
         total = context.dp_sum(torch.tensor(2.0))
         assert total.item() == 2.0
+        # Where TE is installed too, the actor of a CPU context still takes the local spec.
+        from pipeline.config import TrainerConfig
+        from pipeline.models import layer_spec
+        from pipeline.trainer.actor import Actor
+
+        monkeypatch.setattr(layer_spec, "transformer_engine_available", lambda: True)
+        actor = Actor(spec=SPEC, context=context, trainer=TrainerConfig(), optim=None, seed=1)
+        assert actor.layer_spec_choice.name == "local"
+        assert {p.device.type for p in actor.module.parameters()} == {"cpu"}
     finally:
         context.destroy()
     assert not cpu_compat.is_enabled()
