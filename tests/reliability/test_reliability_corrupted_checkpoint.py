@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.checkpoint.test_manager import _largest_file
 from tests.distributed_utils import run_distributed
 from tests.reliability.test_reliability_interruptions import _assert_same_outcome, checkpoint_tensors
 from tests.reliability.test_reliability_numerics import tiny_rl_config
-from tests.checkpoint.test_manager import _largest_file
 
 NUM_STEPS = 4  # from RL_OVERRIDES, which checkpoint every 2 steps
 # A small held-out set: its evaluation at steps 0 and N would dominate a run this short.

@@ -71,9 +71,9 @@ def _weights(module) -> dict[str, torch.Tensor]:
 
 
 def _failing_writes_worker(rank, world_size, directory):
-    from pipeline.errors import CheckpointWriteError
     from pipeline.checkpoint.artifact import load_weights
     from pipeline.checkpoint.manager import CheckpointManager
+    from pipeline.errors import CheckpointWriteError
 
     actor = _actor(1, 1, micro_batch_tokens=10_000)
     fresh = _actor(1, 1, micro_batch_tokens=10_000, context=actor.context)
@@ -133,11 +133,11 @@ FAILING_SAVE_STEP = 4
 
 
 def _disk_full_mid_run_worker(rank, world_size, tmp, cache_dir):
+    from pipeline.checkpoint.manager import CheckpointManager
     from pipeline.errors import CheckpointWriteError
     from pipeline.metrics import read_metrics
     from pipeline.parallel.context import ParallelContext
     from pipeline.stages import rl as rl_stage
-    from pipeline.checkpoint.manager import CheckpointManager
 
     cfg = tiny_rl_config(tmp, cache_dir, ["checkpoint.every_steps=2", "eval_set=arith?difficulty=3&size=8"])
     context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed)
@@ -205,9 +205,9 @@ ONE_RANK_FAULTS = {"rank 1's own JSON file": (1, lambda: failing_rank_file(rank=
 
 
 def _one_rank_fails_worker(rank, world_size, directory):
-    from pipeline.errors import CheckpointWriteError
     from pipeline.checkpoint.artifact import load_weights
     from pipeline.checkpoint.manager import CheckpointManager
+    from pipeline.errors import CheckpointWriteError
 
     actor = _actor(1, 1, micro_batch_tokens=10_000)
     fresh = _actor(1, 1, micro_batch_tokens=10_000, context=actor.context)

@@ -11,7 +11,9 @@ outside, at times the loop does not choose:
 * SIGKILL at a seeded random moment after the first or second step (mid-generation,
   mid-update, ...), and SIGKILL while a checkpoint is half written: a relaunch must
   recover from the newest valid checkpoint and finish identical to an uninterrupted
-  run, with every prompt drawn exactly once.
+  run, with every prompt drawn exactly once. Nothing the killed process started (its
+  grading pool's forkserver and workers, multiprocessing's resource tracker) may still
+  run seconds later: found by a mark in their environment, however they were reparented.
 
 Every launch is a fresh interpreter (~1 minute of imports and setup on a loaded
 2-core machine), so launches are shared: one uninterrupted reference run per module,
@@ -54,6 +56,10 @@ EXTRA_OVERRIDES = [
 STARTUP_TIMEOUT_S = 300.0  # imports, bootstrap cache check, first evaluation on a loaded CI machine
 STOP_TIMEOUT_S = 120.0  # a signal waits for the current step (generate, grade, update) and a checkpoint
 RUN_TIMEOUT_S = 400.0
+# Names a launch in its environment; the processes it starts inherit it, wherever they are reparented.
+LAUNCH_MARK_ENV = "WINNOW_TEST_LAUNCH"
+# A kill -9 takes every child with it at once (``pipeline.parallel.lifetime``); slack for a loaded machine.
+ORPHAN_TIMEOUT_S = 5.0
 # Kills 1.40 s after step 2 is logged: on a 2-core CPU, after the step-2 checkpoint, in a later step.
 CRASH_SEED = 20260526
 
@@ -74,10 +80,80 @@ def _launch(tmp: Path, cache_dir: Path, attempt: str, *, extra: Sequence[str] = 
 def _launch_command(tmp: Path, arguments: Sequence[str], attempt: str) -> subprocess.Popen:
     """``winnow <arguments>`` in a fresh interpreter, its output in ``tmp/<attempt>.log``."""
     tmp.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = _launch_env(tmp, attempt)
     with (tmp / f"{attempt}.log").open("w") as log:  # the child keeps its own copy of the descriptor
         return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *arguments],
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _launch_env(tmp: Path, attempt: str) -> dict[str, str]:
+    """The launch's environment, marked: every process it starts inherits the mark (``_assert_nothing_left``)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCH_MARK_ENV: f"{tmp}/{attempt}"}
+
+
+def _marked_processes(tmp: Path, attempt: str) -> list[int]:
+    """Live processes (not zombies) whose environment carries the mark of ``attempt``'s launch."""
+    mark = f"{LAUNCH_MARK_ENV}={tmp}/{attempt}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        if mark in environ.split(b"\0") and stat[stat.rindex(")") + 2] not in "ZX":
+            found.append(int(entry))
+    return found
+
+
+def _assert_nothing_left(tmp: Path, attempt: str) -> None:
+    """After ``attempt``'s launch ended (a kill -9 included): none of the processes it started still runs.
+
+    Known exception: megatron's checkpoint results-queue manager, started at the first save
+    of a process that has not called
+    ``pipeline.parallel.lifetime.megatron_checkpoint_writers_die_with_this_process`` (the
+    campaign's roles do; ``winnow rl`` run directly does not yet), and the resource tracker
+    it keeps open. Any other survivor fails.
+    """
+    deadline = time.monotonic() + ORPHAN_TIMEOUT_S
+    while (left := _marked_processes(tmp, attempt)) and time.monotonic() < deadline:
+        if all(_is_manager_server(pid) or "resource_tracker" in _command_line(pid) for pid in left):
+            break  # only the known exception is left: it will not go by itself
+        time.sleep(0.05)
+    names = {pid: _command_line(pid) for pid in left}
+    managers = [pid for pid in left if _is_manager_server(pid)]
+    for pid in managers:
+        os.kill(pid, signal.SIGKILL)
+    # The resource tracker exits once the manager, the last holder of its pipe, is gone.
+    while (left := _marked_processes(tmp, attempt)) and time.monotonic() < deadline + ORPHAN_TIMEOUT_S:
+        time.sleep(0.05)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running {ORPHAN_TIMEOUT_S:.0f} s after the kill -9: {names}"
+
+
+def _is_manager_server(pid: int) -> bool:
+    """A spawned ``multiprocessing`` manager: it listens on a ``pymp-*/listener-*`` socket (winnow starts none)."""
+    if "spawn_main" not in _command_line(pid):  # the forkserver listens on such a socket too
+        return False
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+        sockets = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    except OSError:
+        return False
+    # Columns: Num RefCount Protocol Flags Type St Inode Path; flag 0x10000 is a listening socket.
+    listening = {f"socket:[{fields[6]}]" for fields in map(str.split, lines)
+                 if len(fields) > 7 and int(fields[3], 16) & 0x10000 and "/listener-" in fields[7]}
+    return bool(sockets & listening)
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:160]
+    except OSError:
+        return "(exited)"
 
 
 def _rows(tmp: Path) -> list[dict]:
@@ -199,6 +275,7 @@ def _signal_and_check_clean_stop(tmp: Path, cache_dir: Path, signum: signal.Sign
     assert after_step <= reached < NUM_STEPS, "the signal must stop the run before its end"
     assert _latest_checkpoint_step(tmp) == reached  # the stop checkpointed the step it reached
     assert (tmp / "run" / "stats.parquet").is_file()  # finish() ran: a clean exit, not an abort
+    _assert_nothing_left(tmp, signum.name)
     return reached
 
 
@@ -233,12 +310,14 @@ def test_kill_9_then_relaunch_matches_an_uninterrupted_run(tmp_path, cache_dir, 
         rng = random.Random(CRASH_SEED)
         after_step, delay_s = rng.choice([1, 2]), rng.uniform(0.0, 3.0)
         _wait_for_step(process, tmp_path, after_step, STARTUP_TIMEOUT_S)
+        assert len(_marked_processes(tmp_path, "killed")) > 1, "the mark must find the run's helper processes"
         time.sleep(delay_s)
         assert process.poll() is None, "the run ended before the kill; the delay is too long for this config"
         process.send_signal(signal.SIGKILL)
     else:
         _kill_mid_checkpoint(process, tmp_path)
     assert _wait_for_exit(process, tmp_path, STOP_TIMEOUT_S) == -signal.SIGKILL
+    _assert_nothing_left(tmp_path, "killed")  # the grading pool's forkserver and workers died with the run
     assert _rows(tmp_path)[-1]["step"] < NUM_STEPS
     if moment == "mid_checkpoint":
         assert (tmp_path / "ckpt" / "step_00000004.tmp").is_dir(), "the kill landed after the save finished"

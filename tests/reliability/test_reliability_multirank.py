@@ -24,8 +24,10 @@ from tests.reliability.test_reliability_interruptions import (
     RUN_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
     STOP_TIMEOUT_S,
+    _assert_nothing_left,
     _assert_same_outcome,
     _launch_command,
+    _launch_env,
     _log_tail,
     _overrides,
     _rows,
@@ -42,7 +44,7 @@ CRASH_SEED = 20261122
 def _launch_two_ranks(tmp: Path, cache_dir: Path, attempt: str) -> subprocess.Popen:
     """``torchrun --nproc-per-node 2 -m pipeline.cli rl ...`` in its own process group."""
     tmp.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = _launch_env(tmp, attempt)
     arguments: Sequence[str] = ["rl", *_overrides(tmp, cache_dir, TWO_RANKS)]
     with (tmp / f"{attempt}.log").open("w") as log:
         return subprocess.Popen(
@@ -86,6 +88,7 @@ def test_kill_9_of_a_two_rank_job_then_relaunch_matches_an_uninterrupted_job(tmp
     assert process.poll() is None, "the job ended before the kill; the delay is too long for this config"
     os.killpg(process.pid, signal.SIGKILL)  # torchrun and both ranks at once, as a node failure would
     _wait(process, killed, STOP_TIMEOUT_S)
+    _assert_nothing_left(killed, "killed")
     assert _rows(killed)[-1]["step"] < 6
 
     assert _wait(_launch_two_ranks(killed, cache_dir, "relaunched"), killed, RUN_TIMEOUT_S) == 0, _log_tail(killed)

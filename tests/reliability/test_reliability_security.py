@@ -185,9 +185,9 @@ class _RunsCodeWhenUnpickled:
 def _tampered_checkpoint_worker(rank, world_size, directory):
     import torch
 
-    from pipeline.errors import CheckpointError
     from pipeline.checkpoint.artifact import load_weights
     from pipeline.checkpoint.manager import CheckpointManager
+    from pipeline.errors import CheckpointError
     from tests.trainer.test_actor import _actor
 
     actor = _actor(1, 1, micro_batch_tokens=10_000)

@@ -8,7 +8,7 @@ shard's generation or write), then relaunched with the same command:
 * every shard file that existed at the kill is read back, never rewritten: same inode,
   same mtime, same bytes; the relaunch's manifest marks exactly those ``reused``;
 * every other shard is generated once (one ``generated``/``done`` entry each), no ``.tmp``
-  file is left behind;
+  file is left behind, and no process the killed stage started still runs;
 * the final outputs equal those of an uninterrupted run of the same command (shards
   byte for byte or table for table, pass rates, kept set, report; pass@k and intervals).
 
@@ -26,15 +26,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.stages.test_evaluate import hf_policy  # noqa: F401 - a fixture
 from tests.reliability.test_reliability_interruptions import (
     RUN_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
+    _assert_nothing_left,
     _launch_command,
     _log_tail,
     _wait_for_exit,
 )
 from tests.stages.test_curate import _outputs as curation_outputs
+from tests.stages.test_evaluate import hf_policy  # noqa: F401 - a fixture
 
 SPEC = "arith?difficulty=1&size=12"
 NUM_SHARDS = 6  # 12 problems in shards of 2
@@ -76,6 +77,7 @@ def _kill_after_the_first_shard(tmp: Path, arguments: list[str], shards_dir: Pat
         time.sleep(0.001)
     process.send_signal(signal.SIGKILL)
     assert _wait_for_exit(process, tmp, 60.0) == -signal.SIGKILL
+    _assert_nothing_left(tmp, "killed")  # the grading pool's forkserver and worker died with the stage
     finished = [path for path in _shard_files(shards_dir) if path.suffix != ".tmp"]
     assert 1 <= len(finished) < NUM_SHARDS, "the kill landed after the run finished; use more shards"
     return _snapshot(finished)
