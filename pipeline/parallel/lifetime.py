@@ -8,7 +8,7 @@ as soon as it runs (or passes :func:`exit_with_parent_preexec` to ``subprocess.P
 
 * On Linux, ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills the child when its parent
   goes, at once, even while the child is inside a C call that holds the GIL (a stuck
-  sympy power, a gloo collective). The setting is cleared by ``fork``, kept across ``exec``.
+  sympy power) or blocks in one (a collective, a file write). The setting is cleared by ``fork``, kept across ``exec``.
   The death signal fires when the *thread* that forked the child exits, not the process:
   each winnow spawner forks from a thread that outlives its children (``run_ranks``' caller
   blocks until its ranks end; the grading pool's forkserver is started by the thread that
