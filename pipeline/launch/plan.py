@@ -383,6 +383,13 @@ def layer_activation_bytes(dims: ModelDims, *, tokens: int, seq_length: int, tp:
       GLU saves ``fc1``'s output, ``silu(x_glu)``, ``x_linear + 0`` and the product, ``5wF``;
       RoPE's cos/sin tables, ``4·w·d`` per position.
 
+    Qwen3's per-head q/k RMSNorm (``dims.qk_norm``, before RoPE) adds, over ``a + g`` heads:
+    local, torch's RMSNorm's float32 input and normalized copies and a float32 rstd per head,
+    ``8(q + k) + 4(a + g)`` (measured exactly by ``tools.bench.plan_memory``'s qwen3 case);
+    te, the norm's input and its rstd, ``w(q + k) + 4(a + g)`` (assumed, not measured: no TE
+    on the CPU). At Qwen3-4B (q = 4,096, k = 1,024, 40 heads) on the local spec that is 41 kB
+    per token and layer, 12 GB for 8,192 tokens × 36 layers.
+
     Recompute: "selective" (megatron's ``core_attn`` module) drops the log-sum-exp (and the
     ``s²`` scores with ``attention="unfused"``); "full" keeps the layer input, ``wh``.
     """
@@ -402,12 +409,15 @@ def layer_activation_bytes(dims: ModelDims, *, tokens: int, seq_length: int, tp:
         norms = (16 * h + 8 + 2 * w * h) // sp
         mlp = 5 * w * f // tp
         rope = 4 * w * d * seq_length  # per sequence position, once per micro-batch
+    qk_norms = 0
+    if dims.qk_norm:
+        qk_norms = ((w if trainer.backend == "te" else 8) * (q + k) + 4 * (a + dims.num_kv_heads)) // tp
     scores = 0
     if trainer.attention == "unfused" and trainer.recompute != "selective":
         # Korthikanti Eq. 1's 5as²b for softmax output, dropout mask and dropout output, in
         # bytes per token: 5·a·s/t (16-bit; the mask is 1 byte).
         scores = 5 * a * seq_length // tp
-    return tokens * (norms + attention + lse + mlp + scores) + rope
+    return tokens * (norms + attention + qk_norms + lse + mlp + scores) + rope
 
 
 def _non_layer_activation_bytes(dims: ModelDims, *, tokens: int, tp: int, trainer: TrainerSettings,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tools.bench.plan_memory import CASES, COMPONENTS, TOLERANCE, run_case
 
 
-def test_tiny_model_prediction_matches_measured_memory_per_component():
-    result = run_case(CASES["tiny"], timeout_s=300)
+@pytest.mark.parametrize("case", ["tiny", "qwen3-tiny"])  # qwen3: per-head q/k norms, heads wider than h / a
+def test_tiny_model_prediction_matches_measured_memory_per_component(case):
+    result = run_case(CASES[case], timeout_s=300)
     (rank,) = result["ranks"]
     for key in COMPONENTS:
         assert rank["measured"][key] > 0, key

@@ -68,6 +68,8 @@ class Case:
     batch: int  # rows of the step
     seq: int
     rows_per_micro: int
+    family: str = "qwen2"  # qwen3: per-head q/k RMSNorm, with its own head_dim
+    head_dim: int | None = None  # None: hidden / heads
 
     @property
     def num_ranks(self) -> int:
@@ -76,7 +78,8 @@ class Case:
     def dims(self) -> ModelDims:
         return ModelDims(name=self.name, vocab_size=self.vocab, hidden_size=self.hidden, ffn_hidden_size=self.ffn,
                          num_layers=self.layers, num_attention_heads=self.heads, num_kv_heads=self.kv_heads,
-                         head_dim=self.hidden // self.heads, max_position_embeddings=self.seq, qkv_bias=True)
+                         head_dim=self.head_dim or self.hidden // self.heads, max_position_embeddings=self.seq,
+                         qkv_bias=self.family == "qwen2", qk_norm=self.family == "qwen3")
 
 
 CASES = {
@@ -85,6 +88,9 @@ CASES = {
              seq=128, rows_per_micro=2),
         Case(name="small-tp2", hidden=256, ffn=704, layers=4, heads=8, kv_heads=4, vocab=4096, tp=2, pp=1, batch=4,
              seq=256, rows_per_micro=2),
+        # Qwen3-4B's shape in small: q/k norms and heads wider than hidden / heads (q = 2h).
+        Case(name="qwen3-tiny", hidden=128, ffn=352, layers=4, heads=4, kv_heads=2, vocab=1024, tp=1, pp=1, batch=4,
+             seq=128, rows_per_micro=2, family="qwen3", head_dim=64),
         Case(name="medium-pp2", hidden=512, ffn=1408, layers=8, heads=8, kv_heads=4, vocab=8192, tp=1, pp=2,
              batch=8, seq=128, rows_per_micro=2),
     )
@@ -146,9 +152,9 @@ def _rank_main(rank: int, result_dir: str, case: Case, port: int) -> None:
         tensor_parallel=case.tp, pipeline_parallel=case.pp, seed=0, rank=rank, world_size=case.num_ranks,
         local_rank=rank, master_addr="127.0.0.1", master_port=port, backend="gloo")
     try:
-        spec = ModelSpec(family="qwen2", vocab_size=case.vocab, hidden_size=case.hidden, ffn_hidden_size=case.ffn,
+        spec = ModelSpec(family=case.family, vocab_size=case.vocab, hidden_size=case.hidden, ffn_hidden_size=case.ffn,
                          num_layers=case.layers, num_attention_heads=case.heads, num_query_groups=case.kv_heads,
-                         max_position_embeddings=case.seq)
+                         max_position_embeddings=case.seq, head_dim=case.head_dim)
         actor = Actor(spec=spec, context=context, optim=OptimConfig(lr=1e-4), seed=0,
                       trainer=TrainerConfig(precision="bf16", micro_batch_tokens=case.rows_per_micro * case.seq))
         parameters = list(actor.module.parameters())
