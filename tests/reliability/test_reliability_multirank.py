@@ -8,6 +8,7 @@ and statistics.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -29,6 +30,7 @@ from tests.reliability.test_reliability_interruptions import (
     _launch_command,
     _launch_env,
     _log_tail,
+    _marked_processes,
     _overrides,
     _rows,
     _wait_for_step,
@@ -53,11 +55,18 @@ def _launch_two_ranks(tmp: Path, cache_dir: Path, attempt: str) -> subprocess.Po
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait(process: subprocess.Popen, tmp: Path, timeout_s: float) -> int:
+def _kill_the_job(tmp: Path, attempt: str) -> None:
+    """SIGKILL every process of the launch: torchrun, its ranks (each in a session of its own), their helpers."""
+    for pid in _marked_processes(tmp, attempt):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait(process: subprocess.Popen, tmp: Path, attempt: str, timeout_s: float) -> int:
     try:
         return process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        _kill_the_job(tmp, attempt)
         process.wait()
         pytest.fail(f"job did not exit within {timeout_s} s:\n{_log_tail(tmp)}")
 
@@ -76,7 +85,7 @@ def test_kill_9_of_a_two_rank_job_then_relaunch_matches_an_uninterrupted_job(tmp
                                 "bootstrap")
     assert bootstrap.wait(timeout=RUN_TIMEOUT_S) == 0, _log_tail(tmp_path / "bootstrap")
     reference = tmp_path / "reference"
-    assert _wait(_launch_two_ranks(reference, cache_dir, "straight"), reference, RUN_TIMEOUT_S) == 0, \
+    assert _wait(_launch_two_ranks(reference, cache_dir, "straight"), reference, "straight", RUN_TIMEOUT_S) == 0, \
         _log_tail(reference)
 
     killed = tmp_path / "killed"
@@ -86,10 +95,13 @@ def test_kill_9_of_a_two_rank_job_then_relaunch_matches_an_uninterrupted_job(tmp
     _wait_for_step(process, killed, after_step, STARTUP_TIMEOUT_S)
     time.sleep(delay_s)
     assert process.poll() is None, "the job ended before the kill; the delay is too long for this config"
-    os.killpg(process.pid, signal.SIGKILL)  # torchrun and both ranks at once, as a node failure would
-    _wait(process, killed, STOP_TIMEOUT_S)
+    # torchrun and both ranks at once, as a node failure would. torchrun starts each rank in a
+    # session of its own, so its process group holds only torchrun: the ranks are found by the mark.
+    _kill_the_job(killed, "killed")
+    _wait(process, killed, "killed", STOP_TIMEOUT_S)
     _assert_nothing_left(killed, "killed")
     assert _rows(killed)[-1]["step"] < 6
 
-    assert _wait(_launch_two_ranks(killed, cache_dir, "relaunched"), killed, RUN_TIMEOUT_S) == 0, _log_tail(killed)
+    assert _wait(_launch_two_ranks(killed, cache_dir, "relaunched"), killed, "relaunched", RUN_TIMEOUT_S) == 0, \
+        _log_tail(killed)
     _assert_same_outcome(killed, reference)
