@@ -399,25 +399,42 @@ def _sample_with(sampler: ShardSampler, shards: list[Shard], *, policy, cfg: Cur
     return tables, status
 
 
-def question_mean_logprobs(model, prompts: list[list[int]], *, pad_id: int, batch_rows: int = 64) -> np.ndarray:
+def question_mean_logprobs(model, prompts: list[list[int]], *, pad_id: int, batch_rows: int = 64,
+                           batch_tokens: int = 8192) -> np.ndarray:
     """``(B,)`` the policy's mean log-prob of each prompt's tokens after the first: the
-    inverse-perplexity target of DEPO's L_distill (``depo.perplexity_targets``)."""
+    inverse-perplexity target of DEPO's L_distill (``depo.perplexity_targets``).
+
+    Runs on the model's device (the head node's GPU in a campaign). A batch holds at most
+    ``batch_rows`` prompts and ``batch_tokens`` padded positions: its float32 logits and their
+    log-softmax are 2 × tokens × V × 4 bytes, 9.9 GB at 8,192 tokens and Qwen2.5's 151,936-token
+    vocabulary, beside the 15.2 GB of a 7B policy in bf16.
+    """
     import torch
 
+    device = next(model.parameters()).device
     means = np.zeros(len(prompts), dtype=np.float64)
     with torch.no_grad():
-        for start in range(0, len(prompts), batch_rows):
-            rows = prompts[start : start + batch_rows]
-            tokens = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)  # (B, T)
+        start = 0
+        while start < len(prompts):
+            longest = len(prompts[start])
+            end = start + 1
+            while end < len(prompts) and end - start < batch_rows and \
+                    (end - start + 1) * max(longest, len(prompts[end])) <= batch_tokens:
+                longest = max(longest, len(prompts[end]))
+                end += 1
+            rows = prompts[start:end]
+            tokens = torch.full((len(rows), longest), pad_id, dtype=torch.long)  # (B, T)
             mask = torch.zeros(tokens.shape, dtype=torch.bool)  # (B, T) real tokens
             for i, ids in enumerate(rows):
                 tokens[i, : len(ids)] = torch.tensor(ids)
                 mask[i, : len(ids)] = True
+            tokens, mask = tokens.to(device), mask.to(device)
             logits = model(input_ids=tokens, attention_mask=mask.long()).logits.float()  # (B, T, V)
             logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
             counted = mask[:, 1:]  # (B, T-1): every token with a prefix
             sums = torch.where(counted, logprobs, 0.0).sum(dim=1).double()
-            means[start : start + len(rows)] = (sums / counted.sum(dim=1).clamp(min=1)).numpy()
+            means[start:end] = (sums / counted.sum(dim=1).clamp(min=1)).cpu().numpy()
+            start = end
     return means
 
 
