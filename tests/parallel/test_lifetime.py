@@ -76,13 +76,30 @@ def wait_until_gone(pids: list[int], timeout_s: float = GONE_WITHIN_S) -> list[i
     return survivors
 
 
+_PARENTS: list[subprocess.Popen] = []
+
+
 def start_parent(tmp: Path, source: str, *args: str) -> subprocess.Popen:
     """Runs ``source`` as a script in a fresh interpreter (spawned children re-import it)."""
     script = tmp / "parent.py"
     script.write_text(textwrap.dedent(source))
-    return subprocess.Popen([sys.executable, str(script), *args], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    parent = subprocess.Popen([sys.executable, str(script), *args], cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _PARENTS.append(parent)
+    return parent
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_parents():
+    """A test that fails before its kill leaves its parent (and children) waiting: end them."""
+    yield
+    while _PARENTS:
+        parent = _PARENTS.pop()
+        if parent.poll() is None:
+            wait_until_gone([*descendants(parent.pid), parent.pid], timeout_s=0)
+            parent.wait()
+        parent.stdout.close()
 
 
 def kill_9(parent: subprocess.Popen) -> None:

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.test_lifetime import alive, descendants, kill_9, start_parent, wait_for, wait_until_gone
+from tests.parallel.test_lifetime import (  # noqa: F401 - no_leftover_parents: an autouse fixture
+    alive,
+    descendants,
+    kill_9,
+    no_leftover_parents,
+    start_parent,
+    wait_for,
+    wait_until_gone,
+)
 from tests.rewards.test_pool import STUCK
 
 POOL_PARENT = """
