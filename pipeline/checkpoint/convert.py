@@ -92,14 +92,15 @@ from pipeline.checkpoint.hf_map import (
     expected_hf_shapes,
     expected_megatron_shapes,
     hf_to_megatron_tensor,
-    merge_tp,
     megatron_to_hf_tensors,
+    merge_tp,
     resolve_params,
     split_tp,
 )
 from pipeline.errors import UserError
 from pipeline.io import publish_directory
 from pipeline.models.spec import ModelSpec
+from pipeline.parallel.lifetime import megatron_checkpoint_writers_die_with_this_process
 from pipeline.parallel.rendezvous import single_rank_megatron
 
 # megatron-core and transformers take seconds to import: they are imported where used, so
@@ -556,6 +557,7 @@ def hf_to_megatron(
         seconds["read+convert"] = time.perf_counter() - started
 
         phase = time.perf_counter()
+        megatron_checkpoint_writers_die_with_this_process()  # its writers die with this process
         dist_checkpointing.save({"model": model.sharded_state_dict()}, str(step_tmp / WEIGHTS_DIR))
         del model
         tokenizer_dir = _copy_tokenizer(hf_dir, run_dir)

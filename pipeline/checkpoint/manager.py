@@ -52,8 +52,9 @@ from pipeline.checkpoint.artifact import (
     step_dir_name,
     verify_checkpoint,
 )
-from pipeline.errors import CheckpointError, CheckpointWriteError
+from pipeline.errors import CheckpointWriteError
 from pipeline.io import atomic_write_text
+from pipeline.parallel.lifetime import megatron_checkpoint_writers_die_with_this_process
 from pipeline.parallel.rendezvous import all_gather_objects
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint", "capture_rng_state", "restore_rng_state"]
@@ -239,6 +240,8 @@ class CheckpointManager:
                          "optimizer": actor.optimizer.sharded_state_dict(model_state, metadata=OPTIMIZER_METADATA)}
         if actor.distributed_optimizer:
             _zero_uninitialized_padding(sharded_state["optimizer"], actor)
+        # megatron's writer processes die with this one: after a kill -9 none writes into step_N.tmp.
+        megatron_checkpoint_writers_die_with_this_process()
         try:
             dist_checkpointing.save(sharded_state, str(tmp / WEIGHTS_DIR))
         except CheckpointException as error:

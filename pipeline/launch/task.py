@@ -57,7 +57,6 @@ from pipeline.launch.campaign import (
 from pipeline.parallel.lifetime import (
     exit_with_parent,
     exit_with_parent_preexec,
-    megatron_checkpoint_writers_die_with_this_process,
 )
 
 SERVERS_ENV = "WINNOW_ROLLOUT_SERVERS"  # comma-separated URLs, from the first trainer node to its ranks
@@ -69,8 +68,6 @@ RANK_EXIT_DIR_ENV = "WINNOW_RANK_EXIT_DIR"
 USER_ERRORS = (UserError, FileNotFoundError)
 ROLLOUT_DIR = "rollout"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-# Stages that write megatron checkpoints, whose writer starts helper processes (``pipeline.parallel.lifetime``).
-MEGATRON_CHECKPOINT_KINDS = ("bootstrap", "rl", "convert")
 
 
 def _attempt_token() -> str:
@@ -357,8 +354,6 @@ def run_role(role: str, *, campaign_dir: str, stage_name: str, launcher: Sequenc
         # Die with torchrun: a torchrun SIGKILLed (by hand, or with the node role) tells its ranks nothing.
         # Armed here, in the rank's own process, not in run_worker, which tests call in theirs.
         exit_with_parent(parent_pid=None)
-        if stage.kind in MEGATRON_CHECKPOINT_KINDS:
-            megatron_checkpoint_writers_die_with_this_process()
         return run_worker(stage)
     if role == "serve":
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -371,6 +366,4 @@ def run_role(role: str, *, campaign_dir: str, stage_name: str, launcher: Sequenc
                      max_restarts=rollout.max_server_failures, health_timeout_s=rollout.health_timeout_s,
                      startup_timeout_s=servers.startup_timeout_s, min_servers=rollout.min_servers,
                      servers_elsewhere=(servers.nodes - 1) * servers.servers_per_node)
-    if not launcher and stage.kind in MEGATRON_CHECKPOINT_KINDS:  # this process writes the checkpoints itself
-        megatron_checkpoint_writers_die_with_this_process()
     return run_node(plan, stage, launcher=launcher)

@@ -109,44 +109,14 @@ def _marked_processes(tmp: Path, attempt: str) -> list[int]:
 
 
 def _assert_nothing_left(tmp: Path, attempt: str) -> None:
-    """After ``attempt``'s launch ended (a kill -9 included): none of the processes it started still runs.
-
-    Known exception: megatron's checkpoint results-queue manager, started at the first save
-    of a process that has not called
-    ``pipeline.parallel.lifetime.megatron_checkpoint_writers_die_with_this_process`` (the
-    campaign's roles do; ``winnow rl`` run directly does not yet), and the resource tracker
-    it keeps open. Any other survivor fails.
-    """
+    """After ``attempt``'s launch ended (a kill -9 included): none of the processes it started still runs."""
     deadline = time.monotonic() + ORPHAN_TIMEOUT_S
     while (left := _marked_processes(tmp, attempt)) and time.monotonic() < deadline:
-        if all(_is_manager_server(pid) or "resource_tracker" in _command_line(pid) for pid in left):
-            break  # only the known exception is left: it will not go by itself
         time.sleep(0.05)
     names = {pid: _command_line(pid) for pid in left}
-    managers = [pid for pid in left if _is_manager_server(pid)]
-    for pid in managers:
-        os.kill(pid, signal.SIGKILL)
-    # The resource tracker exits once the manager, the last holder of its pipe, is gone.
-    while (left := _marked_processes(tmp, attempt)) and time.monotonic() < deadline + ORPHAN_TIMEOUT_S:
-        time.sleep(0.05)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"still running {ORPHAN_TIMEOUT_S:.0f} s after the kill -9: {names}"
-
-
-def _is_manager_server(pid: int) -> bool:
-    """A spawned ``multiprocessing`` manager: it listens on a ``pymp-*/listener-*`` socket (winnow starts none)."""
-    if "spawn_main" not in _command_line(pid):  # the forkserver listens on such a socket too
-        return False
-    try:
-        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
-        sockets = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-    except OSError:
-        return False
-    # Columns: Num RefCount Protocol Flags Type St Inode Path; flag 0x10000 is a listening socket.
-    listening = {f"socket:[{fields[6]}]" for fields in map(str.split, lines)
-                 if len(fields) > 7 and int(fields[3], 16) & 0x10000 and "/listener-" in fields[7]}
-    return bool(sockets & listening)
 
 
 def _command_line(pid: int) -> str:
