@@ -63,15 +63,26 @@ def initialize_process_context(*, tensor_parallel: int = 1, pipeline_parallel: i
     ``pipeline.config.collective_timeout_minutes``).
     """
     from pipeline.parallel.context import ParallelContext
-    from pipeline.parallel.lifetime import exit_with_parent
 
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        # A rank of torchrun dies with it: torchrun SIGKILLed tells its ranks nothing. Only then:
-        # a process started from a shell must outlive the shell (nohup, a closed terminal).
-        exit_with_parent(parent_pid=None)
+    exit_with_torchrun()
     timeout = {} if timeout_minutes is None else {"timeout_minutes": timeout_minutes}
     return ParallelContext.initialize(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                                       seed=seed, backend=backend, **timeout, **single_process_rendezvous())
+
+
+def exit_with_torchrun() -> bool:
+    """A rank torchrun started dies with torchrun (``lifetime.exit_with_parent``); returns whether it was one.
+
+    torchrun SIGKILLed tells its ranks nothing, and it starts each in a session of its own, so
+    killing its process group misses them. Only torchrun's ranks (``TORCHELASTIC_RUN_ID`` set):
+    a process started from a shell must outlive the shell (``nohup``, a closed terminal).
+    """
+    from pipeline.parallel.lifetime import exit_with_parent
+
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return False
+    exit_with_parent(parent_pid=None)
+    return True
 
 
 def broadcast_from_rank0(payload: Any, *, world_size: int) -> Any:

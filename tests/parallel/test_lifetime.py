@@ -273,3 +273,15 @@ def test_megatrons_checkpoint_helpers_die_with_the_saving_process(tmp_path):
     assert len(helpers) == 2 and all(alive(pid) for pid in helpers), line
     kill_9(parent)
     assert wait_until_gone(helpers) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the death signal with prctl")
+def test_a_torchrun_rank_arms_its_death_signal_and_a_process_from_a_shell_does_not():
+    probe = ("import ctypes, signal; from pipeline.parallel.rendezvous import exit_with_torchrun; "
+             "armed = exit_with_torchrun(); libc = ctypes.CDLL(None, use_errno=True); value = ctypes.c_int(0); "
+             "libc.prctl(2, ctypes.byref(value), 0, 0, 0); print(armed, value.value)")  # 2: PR_GET_PDEATHSIG
+    environment = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"} | {"PYTHONPATH": str(REPO)}
+    outputs = [subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.split()
+               for env in (environment, {**environment, "TORCHELASTIC_RUN_ID": "job-1"})]
+    assert outputs == [["False", "0"], ["True", str(int(signal.SIGKILL))]]
