@@ -25,7 +25,6 @@ Pushing a 7B policy this way would copy its 15.2 GB of bf16 weights once per ste
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 import signal
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from pipeline.models.spec import ModelSpec
+from pipeline.parallel.lifetime import exit_with_parent
 from pipeline.rollout.types import Completion, GenerationRequest, RolloutError, SamplingParams
 from pipeline.rollout.weight_sync import LocalSyncedEngine
 
@@ -92,15 +92,17 @@ def _unpack(packed: dict[str, Any]) -> list[Completion]:
                 packed["weight_versions"], tokens, logprobs)]
 
 
-def _serve(spec: dict[str, Any], engine_kwargs: dict[str, Any], num_threads: int, commands, replies) -> None:
+def _serve(spec: dict[str, Any], engine_kwargs: dict[str, Any], num_threads: int, commands, replies,
+           parent_pid: int) -> None:
     """The child's loop: build the engine, then answer commands until ``close`` (or the parent's death)."""
+    # The trainer killed (kill -9) takes this process with it at once, also mid-generation.
+    exit_with_parent(parent_pid=parent_pid)
     # Signals for the run (Ctrl-C, SLURM's SIGTERM/SIGUSR1 to the whole step) are the trainer's to
     # handle: it checkpoints, which needs this process alive, then closes it.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     _name_process(PROCESS_NAME)
     torch.set_num_threads(num_threads)
-    parent = multiprocessing.parent_process()
     try:
         from pipeline.rollout.local import LocalEngine
         from pipeline.rollout.weight_sync import build_hf_model
@@ -112,14 +114,7 @@ def _serve(spec: dict[str, Any], engine_kwargs: dict[str, Any], num_threads: int
         replies.put(("error", traceback.format_exc()))
         return
     while True:
-        try:
-            kind, payload = commands.get(timeout=_POLL_S)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                # The trainer was killed (kill -9). No cleanup: a normal exit would join the queues'
-                # feeder threads, which wait for a reader that is gone.
-                os._exit(0)
-            continue
+        kind, payload = commands.get()
         if kind == "close":
             return
         try:
@@ -153,7 +148,7 @@ class ProcessEngine:
         engine_kwargs = {"eos_token_ids": eos_token_ids, "pad_token_id": pad_token_id}
         self._process = context.Process(target=_serve, name="winnow-rollout", daemon=True,
                                         args=(spec.to_dict(), engine_kwargs, num_threads, self._commands,
-                                              self._replies))
+                                              self._replies, os.getpid()))
         self._process.start()
         self._weights: dict[str, torch.Tensor] | None = None
         self._weight_version = 0
