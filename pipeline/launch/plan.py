@@ -253,6 +253,7 @@ class Workload:
     max_new_tokens: int
     steps: int
     num_runs: int = 1  # rl stages of the campaign (variants)
+    max_staleness: int = 0  # rollout.max_staleness: 1 generates the next step while this one updates
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -613,10 +614,12 @@ class TimePlan:
     train_s: float
     rollout_s: float
     bubble: float
+    overlapped: bool = False  # generation of step t+1 runs beside step t's update (docs/rl.md)
 
     @property
     def step_s(self) -> float:
-        return self.train_s + self.rollout_s
+        """One step's wall time: generation then update, or, overlapped, the longer of the two."""
+        return max(self.train_s, self.rollout_s) if self.overlapped else self.train_s + self.rollout_s
 
 
 def step_flops(inputs: PlanInputs) -> tuple[float, float]:
@@ -640,7 +643,11 @@ def time_plan(inputs: PlanInputs) -> TimePlan:
     train_s = train / (inputs.cluster.trainer_gpus * peak * inputs.assumptions.mfu) / (1 - bubble)
     rollout_gpus = inputs.cluster.rollout_gpus or inputs.cluster.trainer_gpus
     rollout_s = rollout / (rollout_gpus * peak * inputs.assumptions.rollout_mfu)
-    return TimePlan(train_flops=train, rollout_flops=rollout, train_s=train_s, rollout_s=rollout_s, bubble=bubble)
+    # Only servers on GPUs of their own generate while the trainer updates; a generator that
+    # shares the trainer's GPUs takes its time from the update.
+    overlapped = inputs.workload.max_staleness > 0 and inputs.cluster.rollout_gpus > 0
+    return TimePlan(train_flops=train, rollout_flops=rollout, train_s=train_s, rollout_s=rollout_s, bubble=bubble,
+                    overlapped=overlapped)
 
 
 # ---------------------------------------------------------------------------------- plan
@@ -779,7 +786,7 @@ def workload_from_rl(cfg: Any, *, prompt_tokens: int, num_runs: int = 1) -> Work
         sampled = group * algorithm.dynamic.max_rounds
     return Workload(prompts_per_step=cfg.prompts_per_step, trained_per_prompt=group, sampled_per_prompt=sampled,
                     in_flight_per_prompt=in_flight, prompt_tokens=prompt_tokens, max_new_tokens=cfg.max_new_tokens,
-                    steps=cfg.steps, num_runs=num_runs)
+                    steps=cfg.steps, num_runs=num_runs, max_staleness=cfg.rollout.max_staleness)
 
 
 def trainer_settings_from_rl(cfg: Any, *, distributed_optimizer: bool, recompute: Recompute,

@@ -80,6 +80,25 @@ def test_bubble_and_kv_bytes_per_token():
     assert P.kv_cache_plan(inputs).bytes_per_token == 2 * 28 * 4 * 128 * 2
 
 
+def test_one_step_off_policy_overlaps_generation_with_the_update_only_on_servers_of_their_own():
+    workload = P.Workload(prompts_per_step=128, trained_per_prompt=8, sampled_per_prompt=8, in_flight_per_prompt=8,
+                          prompt_tokens=512, max_new_tokens=3072, steps=100)
+    separate = P.PlanInputs(
+        dims=dims("Qwen2.5-Math-7B"), layout=P.Layout(tensor_parallel=4, data_parallel=4), trainer=P.TrainerSettings(),
+        workload=workload, cluster=P.Cluster(gpu=P.GPUS["h100"], trainer_nodes=2, gpus_per_node=8, rollout_nodes=1,
+                                             servers_per_node=8))
+    synchronous = P.plan(separate)
+    ahead = P.plan(P.replace(separate, workload=P.replace(workload, max_staleness=1)))
+    time = ahead.time
+    assert not synchronous.time.overlapped and synchronous.time.step_s == time.train_s + time.rollout_s
+    assert time.overlapped and time.step_s == max(time.train_s, time.rollout_s) < synchronous.time.step_s
+    assert ahead.gpu_hours / synchronous.gpu_hours == pytest.approx(time.step_s / synchronous.time.step_s)
+    # Generation on the trainer's own GPUs has nothing to overlap with.
+    colocated = P.replace(separate, cluster=P.replace(separate.cluster, rollout_nodes=0),
+                          workload=P.replace(workload, max_staleness=1))
+    assert not P.plan(colocated).time.overlapped
+
+
 def test_context_and_memory_refusals_name_the_fix():
     inputs = P.PlanInputs(
         dims=dims("Qwen2.5-Math-7B"), layout=P.Layout(data_parallel=16), trainer=P.TrainerSettings(),
