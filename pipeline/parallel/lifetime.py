@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import multiprocessing
 import os
 import signal
@@ -131,6 +132,17 @@ def _arm_with_pid(parent_pid: int) -> None:
     exit_with_parent(parent_pid=parent_pid)
 
 
+_MEGATRON_UNWRAPPED_WARNED = False
+
+
+def _warn_unwrapped() -> None:
+    global _MEGATRON_UNWRAPPED_WARNED
+    _MEGATRON_UNWRAPPED_WARNED = True
+    logging.getLogger(__name__).warning(
+        "megatron-core's checkpoint writer has no FileSystemWriterAsync.write_preloaded_data / "
+        "_get_write_results_queue to wrap; its helper processes may outlive a kill -9 of this process")
+
+
 def megatron_checkpoint_writers_die_with_this_process() -> None:
     """Tie megatron's checkpoint helper processes to this process; idempotent, call before the first save.
 
@@ -147,7 +159,14 @@ def megatron_checkpoint_writers_die_with_this_process() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    writer = filesystem_async.FileSystemWriterAsync
+    writer = getattr(filesystem_async, "FileSystemWriterAsync", None)
+    if writer is None or not hasattr(writer, "write_preloaded_data") or \
+            not hasattr(filesystem_async, "_get_write_results_queue"):
+        # Another megatron-core than the 0.16 this wraps: its checkpoints still save (and are
+        # published atomically); only its helpers may outlive a kill -9 of this process.
+        if not _MEGATRON_UNWRAPPED_WARNED:
+            _warn_unwrapped()
+        return
     if getattr(writer.write_preloaded_data, "_dies_with_parent", False):
         return
     write = writer.write_preloaded_data

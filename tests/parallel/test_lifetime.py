@@ -285,3 +285,18 @@ def test_a_torchrun_rank_arms_its_death_signal_and_a_process_from_a_shell_does_n
                               check=True).stdout.split()
                for env in (environment, {**environment, "TORCHELASTIC_RUN_ID": "job-1"})]
     assert outputs == [["False", "0"], ["True", str(int(signal.SIGKILL))]]
+
+
+def test_another_megatron_without_the_wrapped_functions_still_saves(monkeypatch, caplog):
+    """A megatron-core that renamed what the helper wraps: a warning, never a failed checkpoint."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pipeline.parallel import lifetime
+
+    monkeypatch.delattr(filesystem_async, "_get_write_results_queue")
+    monkeypatch.setattr(lifetime, "_MEGATRON_UNWRAPPED_WARNED", False)
+    with caplog.at_level("WARNING", logger="pipeline.parallel.lifetime"):
+        lifetime.megatron_checkpoint_writers_die_with_this_process()
+        lifetime.megatron_checkpoint_writers_die_with_this_process()
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "may outlive a kill -9" in caplog.records[0].message
