@@ -17,7 +17,10 @@ Checked here, at ``rollout.max_staleness=1`` with ``engine=sglang``:
   same servers ends exactly as the uninterrupted run: rows, weights, statistics;
 * with two data-parallel ranks, rank 0 drives the servers and both ranks train on the batch
   it generated ahead: the same samples and rewards as one rank, the same loss and gradient
-  norm up to fp32 reduction order.
+  norm up to fp32 reduction order;
+* with the weights broadcast over SGLang's update group (``sync=distributed``, the H100
+  campaigns' transport) instead of loaded from disk, the run is the same, and the servers end
+  holding the trainer's final weights exactly.
 """
 
 from __future__ import annotations
@@ -48,19 +51,23 @@ def _policy_vocab_worker(rank, world_size, tmp, cache):
     return len(load_tokenizer(initial_policy(cfg, context=context).tokenizer_dir))
 
 
-def _rl_worker(rank, world_size, tmp, cache, urls, stop_after):
+def _rl_worker(rank, world_size, tmp, cache, urls, stop_after, extra=()):
     from pipeline.metrics import read_metrics
     from pipeline.parallel.context import ParallelContext
     from pipeline.stages import rl as rl_stage
 
     cfg = _config(tmp, [f"bootstrap.cache_dir={cache}", "rollout.engine=sglang", f"rollout.servers={json.dumps(urls)}",
-                        f"rollout.weights_dir={tmp}/weights", *ASYNC])
+                        f"rollout.weights_dir={tmp}/weights", *ASYNC, *extra])
     context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed)
     captured = {"trained": []}
     original_finish, original_to_train_batch = rl_stage.finish, rl_stage.to_train_batch
 
     def finish(run):
+        from pipeline.rollout.weight_sync import actor_hf_state
+
         captured["weights"] = _weights(run.actor.module)
+        exported = actor_hf_state(run.actor)  # collective; the HF-named tensors on rank 0
+        captured["exported"] = {name: tensor.clone() for name, tensor in exported} if exported is not None else None
         original_finish(run)
 
     def to_train_batch(prompt_token_ids, completions, group_ids, **kwargs):
@@ -77,25 +84,27 @@ def _rl_worker(rank, world_size, tmp, cache, urls, stop_after):
         return {"weights": captured["weights"], "trained": captured["trained"]}
     import pyarrow.parquet as pq
 
-    return {"weights": captured["weights"], "trained": captured["trained"],
+    return {"weights": captured["weights"], "trained": captured["trained"], "exported": captured["exported"],
             "rows": read_metrics(f"{tmp}/run/metrics.jsonl"),
             "stats": pq.read_table(f"{tmp}/run/stats.parquet").to_pydict()}
 
 
-def _served_run(tmp_path, cache, vocab, name, *, world_size=1, stop_after=None, first_server=None):
+def _served_run(tmp_path, cache, vocab, name, *, world_size=1, stop_after=None, first_server=None, extra=(),
+                **server_options):
     """One run on two fresh servers; also returns what each server was asked to generate and load."""
     (tmp_path / name).mkdir()
-    servers = start_fake_servers(tmp_path / name, [{"vocab_size": vocab, **(first_server or {})},
-                                                   {"vocab_size": vocab}])
+    servers = start_fake_servers(tmp_path / name, [{"vocab_size": vocab, **server_options, **(first_server or {})},
+                                                   {"vocab_size": vocab, **server_options}])
     try:
         ranks = run_distributed(_rl_worker, world_size=world_size, timeout_s=300,
-                                args=(str(tmp_path / name), cache, [s.url for s in servers], stop_after))
+                                args=(str(tmp_path / name), cache, [s.url for s in servers], stop_after, tuple(extra)))
         requests = [server.requests() for server in servers]
         exit_codes = [server.process.poll() for server in servers]
+        held = [server.weights() if server_options.get("join_groups") else None for server in servers]
     finally:
         for server in servers:
             server.kill()
-    return ranks, requests, exit_codes
+    return ranks, requests, exit_codes, held
 
 
 def _generated(requests) -> dict[tuple[int, ...], list[tuple[int, int, list[int]]]]:
@@ -134,7 +143,7 @@ def uninterrupted(tmp_path_factory, bootstrap_cache_dir):
     tmp_path = tmp_path_factory.mktemp("async_sglang")
     cache = str(bootstrap_cache_dir)
     (vocab,) = run_distributed(_policy_vocab_worker, world_size=1, args=(str(tmp_path / "vocab"), cache))
-    (outcome,), requests, _ = _served_run(tmp_path, cache, vocab, "uninterrupted")
+    (outcome,), requests, _, _ = _served_run(tmp_path, cache, vocab, "uninterrupted")
     return tmp_path, cache, vocab, outcome, requests
 
 
@@ -145,7 +154,7 @@ def test_sglang_async_run_trains_on_one_version_old_samples_and_resumes_exactly_
     # first server dies generating step 3's batch ahead with version 2's weights, while step 2
     # updates: the batch's other requests go to the second server, and the dead one is retired
     # (max_server_failures=0).
-    (resumed,), requests, exit_codes = _served_run(tmp_path, cache, vocab, "resumed", stop_after=2,
+    (resumed,), requests, exit_codes, _ = _served_run(tmp_path, cache, vocab, "resumed", stop_after=2,
                                                    first_server={"die_after_updates": 2})
     assert exit_codes[0] == 3 and exit_codes[1] is None
 
@@ -178,7 +187,7 @@ def test_sglang_async_run_trains_on_one_version_old_samples_and_resumes_exactly_
 @pytest.mark.distributed
 def test_two_data_parallel_ranks_train_on_the_batch_rank_0_generated_ahead(uninterrupted):
     tmp_path, cache, vocab, reference, _ = uninterrupted
-    ranks, requests, _ = _served_run(tmp_path, cache, vocab, "dp2", world_size=2)
+    ranks, requests, _, _ = _served_run(tmp_path, cache, vocab, "dp2", world_size=2)
 
     # Both ranks train on the samples rank 0 generated ahead, and those are the one-rank run's:
     # the fake tokens depend on the version label only, so any step whose batch missed a push or
@@ -195,3 +204,28 @@ def test_two_data_parallel_ranks_train_on_the_batch_rank_0_generated_ahead(unint
     for name, tensor in reference["weights"].items():
         assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name]), name  # replicas stay equal
         torch.testing.assert_close(ranks[0]["weights"][name], tensor, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed  # the trainer rank and two servers in one gloo update group, all busy at once
+def test_async_run_with_weights_broadcast_over_the_update_group_equals_the_disk_synced_run(uninterrupted):
+    """The H100 campaigns' transport (``sync=distributed``) under generation ahead: every push goes
+    over the update group only once the batch in flight is complete, and the servers end holding
+    the trainer's final weights."""
+    tmp_path, cache, vocab, reference, _ = uninterrupted
+    (outcome,), requests, _, held = _served_run(tmp_path, cache, vocab, "broadcast", join_groups=True,
+                                                extra=["rollout.sync=distributed"])
+    # The fake tokens depend on the version label only, so the run equals the disk-synced one.
+    assert outcome["trained"] == reference["trained"]
+    assert _comparable(outcome["rows"]) == _comparable(reference["rows"])
+    for name, tensor in reference["weights"].items():
+        assert torch.equal(outcome["weights"][name], tensor), name
+    _assert_generated_by_their_version(outcome["trained"], requests, vocab)
+    updates = [r for r in requests[0] if r["path"] == "/update_weights_from_distributed"]
+    assert updates and not any(r["path"] == "/update_weights_from_disk" for server in requests for r in server)
+    # Both servers hold the trainer's final weights in HF names: the last push reached them exactly.
+    exported = outcome["exported"]
+    for weights in held:
+        assert weights.keys() == exported.keys() and exported
+        for name, tensor in exported.items():
+            assert torch.equal(weights[name], tensor.to(weights[name].dtype)), name
