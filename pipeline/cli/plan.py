@@ -154,7 +154,8 @@ def format_plan(result: planner.Plan, *, title: str) -> str:
                  f"response {assumptions.response_fraction:.0%} of max_new_tokens, {cluster.gpu.peak_tflops:.0f} "
                  f"TFLOPS bf16 peak): step {time.step_s:.0f} s (rollout {time.rollout_s:.0f} s, train "
                  f"{time.train_s:.0f} s{', overlapped (rollout.max_staleness=1): the longer' if time.overlapped else ''}"
-                 f"; {time.rollout_flops:.2e} + {time.train_flops:.2e} FLOPs)")
+                 f", weight sync {time.sync_s:.1f} s ({workload.sync if cluster.rollout_nodes else 'in process'}); "
+                 f"{time.rollout_flops:.2e} + {time.train_flops:.2e} FLOPs)")
     lines.append(f"run: {workload.steps} steps × {workload.num_runs} run(s) = {result.gpu_hours:,.0f} GPU-hours "
                  f"({result.gpu_hours / (cluster.trainer_gpus + cluster.rollout_gpus):,.1f} h wall)")
     smallest = str(result.smallest_layout) if result.smallest_layout else "none on this cluster"

@@ -94,6 +94,7 @@ __all__ = [
     "smallest_fitting_layout",
     "stage_parameters",
     "step_flops",
+    "sync_seconds",
     "time_plan",
 ]
 
@@ -254,6 +255,7 @@ class Workload:
     steps: int
     num_runs: int = 1  # rl stages of the campaign (variants)
     max_staleness: int = 0  # rollout.max_staleness: 1 generates the next step while this one updates
+    sync: str = "distributed"  # rollout.sync with servers: "distributed" (update group) or "disk"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -292,6 +294,10 @@ class Assumptions:
     checkpoint_write_gbps: float = 1.0
     checkpoint_safety: float = 2.0  # contention with other jobs, a slow storage target
     checkpoint_fixed_s: float = 60.0  # agreement collectives, metadata, manifest and publish
+    # GB/s of a weight sync's NCCL broadcast from the trainer's rank 0 to the servers: well under one
+    # 400 Gb/s NIC's 50 GB/s, for the bucket round trips and the servers' copies into their weights.
+    sync_broadcast_gbps: float = 20.0
+    server_load_gbps: float = 2.0  # a server reading a safetensors export (sync=disk) from the shared filesystem
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -614,12 +620,33 @@ class TimePlan:
     train_s: float
     rollout_s: float
     bubble: float
+    sync_s: float = 0.0  # the weight push to the servers, which nothing overlaps
     overlapped: bool = False  # generation of step t+1 runs beside step t's update (docs/rl.md)
 
     @property
     def step_s(self) -> float:
-        """One step's wall time: generation then update, or, overlapped, the longer of the two."""
-        return max(self.train_s, self.rollout_s) if self.overlapped else self.train_s + self.rollout_s
+        """One step's wall time: generation then update, or, overlapped, the longer of the two; then the
+        weight push (made only when no batch is in flight, so never overlapped)."""
+        work = max(self.train_s, self.rollout_s) if self.overlapped else self.train_s + self.rollout_s
+        return work + self.sync_s
+
+
+def sync_seconds(inputs: PlanInputs) -> float:
+    """One weight push to the SGLang servers (0 without server nodes: the in-process engine's copy
+    is device to device, 0.011 s at 1.5B on an H200).
+
+    ``distributed``: the HF-layout model (2 bytes per parameter) broadcast once over the update
+    group; 15.2 GB at 7.6B, 0.76 s at the assumed 20 GB/s. ``disk``: each pipeline stage's rank
+    writes its share in parallel, then every server reads the whole export, 15.2 s + 7.6 s at 7.6B
+    and PP = 1 with the assumed 1 and 2 GB/s.
+    """
+    if inputs.cluster.rollout_nodes == 0:
+        return 0.0
+    gb = inputs.dims.num_parameters() * inputs.assumptions.server_bytes_per_param / 1e9
+    if inputs.workload.sync == "disk":
+        write = gb / inputs.layout.pipeline_parallel / inputs.assumptions.checkpoint_write_gbps
+        return write + gb / inputs.assumptions.server_load_gbps
+    return gb / inputs.assumptions.sync_broadcast_gbps
 
 
 def step_flops(inputs: PlanInputs) -> tuple[float, float]:
@@ -647,7 +674,7 @@ def time_plan(inputs: PlanInputs) -> TimePlan:
     # shares the trainer's GPUs takes its time from the update.
     overlapped = inputs.workload.max_staleness > 0 and inputs.cluster.rollout_gpus > 0
     return TimePlan(train_flops=train, rollout_flops=rollout, train_s=train_s, rollout_s=rollout_s, bubble=bubble,
-                    overlapped=overlapped)
+                    sync_s=sync_seconds(inputs), overlapped=overlapped)
 
 
 # ---------------------------------------------------------------------------------- plan
@@ -786,7 +813,8 @@ def workload_from_rl(cfg: Any, *, prompt_tokens: int, num_runs: int = 1) -> Work
         sampled = group * algorithm.dynamic.max_rounds
     return Workload(prompts_per_step=cfg.prompts_per_step, trained_per_prompt=group, sampled_per_prompt=sampled,
                     in_flight_per_prompt=in_flight, prompt_tokens=prompt_tokens, max_new_tokens=cfg.max_new_tokens,
-                    steps=cfg.steps, num_runs=num_runs, max_staleness=cfg.rollout.max_staleness)
+                    steps=cfg.steps, num_runs=num_runs, max_staleness=cfg.rollout.max_staleness,
+                    sync=cfg.rollout.sync)
 
 
 def trainer_settings_from_rl(cfg: Any, *, distributed_optimizer: bool, recompute: Recompute,

@@ -90,13 +90,33 @@ def test_one_step_off_policy_overlaps_generation_with_the_update_only_on_servers
     synchronous = P.plan(separate)
     ahead = P.plan(P.replace(separate, workload=P.replace(workload, max_staleness=1)))
     time = ahead.time
-    assert not synchronous.time.overlapped and synchronous.time.step_s == time.train_s + time.rollout_s
-    assert time.overlapped and time.step_s == max(time.train_s, time.rollout_s) < synchronous.time.step_s
+    assert not synchronous.time.overlapped
+    assert synchronous.time.step_s == time.train_s + time.rollout_s + time.sync_s
+    # The push waits for the batch in flight: never overlapped.
+    assert time.overlapped and time.step_s == max(time.train_s, time.rollout_s) + time.sync_s < synchronous.time.step_s
     assert ahead.gpu_hours / synchronous.gpu_hours == pytest.approx(time.step_s / synchronous.time.step_s)
     # Generation on the trainer's own GPUs has nothing to overlap with.
     colocated = P.replace(separate, cluster=P.replace(separate.cluster, rollout_nodes=0),
                           workload=P.replace(workload, max_staleness=1))
     assert not P.plan(colocated).time.overlapped
+
+
+def test_the_weight_push_costs_a_broadcast_or_a_write_and_a_load():
+    base = P.PlanInputs(
+        dims=dims("Qwen2.5-Math-7B"), layout=P.Layout(tensor_parallel=4, data_parallel=4), trainer=P.TrainerSettings(),
+        workload=P.Workload(prompts_per_step=128, trained_per_prompt=8, sampled_per_prompt=8, in_flight_per_prompt=8,
+                            prompt_tokens=512, max_new_tokens=3072, steps=100),
+        cluster=P.Cluster(gpu=P.GPUS["h100"], trainer_nodes=2, gpus_per_node=8, rollout_nodes=1, servers_per_node=8))
+    gb = 7_615_616_512 * 2 / 1e9  # Qwen2.5-Math-7B in bf16
+    assert P.sync_seconds(base) == pytest.approx(gb / 20.0)
+    disk = P.replace(base, workload=P.replace(base.workload, sync="disk"))
+    assert P.sync_seconds(disk) == pytest.approx(gb / 1.0 + gb / 2.0)
+    two_stages = P.replace(disk, layout=P.Layout(tensor_parallel=4, pipeline_parallel=2, data_parallel=2))
+    assert P.sync_seconds(two_stages) == pytest.approx(gb / 2 / 1.0 + gb / 2.0)  # stages write their halves at once
+    colocated = P.replace(base, cluster=P.replace(base.cluster, rollout_nodes=0))
+    assert P.sync_seconds(colocated) == 0.0
+    assert P.time_plan(base).step_s == pytest.approx(P.time_plan(colocated).train_s + P.time_plan(base).rollout_s
+                                                     + gb / 20.0)
 
 
 def test_context_and_memory_refusals_name_the_fix():
