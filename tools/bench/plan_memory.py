@@ -1,6 +1,6 @@
 """The planner's per-GPU memory against what the Megatron actor holds, per component and layout.
 
-    .venv/bin/python -m tools.bench.plan_memory                 # three models × layouts, ~1–2 min on 2 cores
+    .venv/bin/python -m tools.bench.plan_memory                 # five models × layouts, ~2 min on 2 cores
     .venv/bin/python -m tools.bench.plan_memory --cases tiny     # one case (what the smoke test runs)
 
 Each case builds winnow's ``Actor`` (bf16, megatron's local modules: the CPU path) on
@@ -91,6 +91,8 @@ CASES = {
         # Qwen3-4B's shape in small: q/k norms and heads wider than hidden / heads (q = 2h).
         Case(name="qwen3-tiny", hidden=128, ffn=352, layers=4, heads=4, kv_heads=2, vocab=1024, tp=1, pp=1, batch=4,
              seq=128, rows_per_micro=2, family="qwen3", head_dim=64),
+        Case(name="qwen3-tp2", hidden=256, ffn=704, layers=4, heads=8, kv_heads=4, vocab=4096, tp=2, pp=1,
+             batch=4, seq=256, rows_per_micro=2, family="qwen3", head_dim=64),
         Case(name="medium-pp2", hidden=512, ffn=1408, layers=8, heads=8, kv_heads=4, vocab=8192, tp=1, pp=2,
              batch=8, seq=128, rows_per_micro=2),
     )
