@@ -238,7 +238,8 @@ def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pyxis container image")
     from pipeline.cli.plan import add_cluster_arguments
 
-    parser.add_argument("--force", action="store_true", help="launch GPU rl stages even when the plan refuses them")
+    parser.add_argument("--force", action="store_true",
+                        help="launch even when the plan refuses a stage (context of a generating stage, memory of a GPU rl stage)")
     add_cluster_arguments(parser, with_nodes=False)
 
 

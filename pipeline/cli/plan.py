@@ -5,8 +5,14 @@ Inputs: a model (``config.json``, Hugging Face folder or winnow checkpoint), the
 cluster (a SLURM profile's GPUs per node, the GPU kind, trainer and rollout nodes). Prints
 the per-GPU memory table of every pipeline stage, the SGLang KV cache against a step's
 sequences, the context check, the pipeline bubble, step time and GPU-hours at the printed
-assumptions, and the verdict with the smallest TP×PP layout that fits. Exit status 1 when
-the job does not fit. The planner itself is ``pipeline.launch.plan``.
+assumptions, and the verdict with the smallest TP×PP layout that fits; with ``--recipe``, also
+the context check of the campaign's curate and evaluate stages on the same model. Exit status
+1 when the job does not fit. The planner itself is ``pipeline.launch.plan``.
+
+``winnow launch`` runs ``check_campaign_plan`` before it submits anything: the context of every
+stage that generates, each on the model it will run (``planner.stage_contexts``), and the whole
+plan of every GPU rl stage. A refusal stops the launch unless ``--force``; a stage whose model
+config cannot be read on the launching machine stops it unless ``--skip-plan-check``.
 
 Activation recompute and the distributed optimizer are the config's ``trainer.recompute`` and
 ``trainer.distributed_optimizer`` (on by default whenever DP > 1); ``--recompute`` and
@@ -55,13 +61,21 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, *, with_nodes: bool =
                             "trainer.distributed_optimizer, on when DP > 1)")
     group.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
                        help="what-if: activation recompute (default: the config's trainer.recompute)")
-    group.add_argument("--prompt-tokens", type=int, default=1024,
-                       help="the longest templated prompt, in tokens (context and memory use it)")
+    group.add_argument("--prompt-tokens", type=int, default=None,
+                       help="the longest templated prompt, in tokens, that every generating stage leaves room for "
+                            f"(context and memory use it; default: {planner.DEFAULT_PROMPT_TOKENS}, or a quarter "
+                            "of a shorter model's positions)")
     group.add_argument("--mfu", type=float, default=planner.Assumptions().mfu, help="assumed trainer MFU")
     group.add_argument("--rollout-mfu", type=float, default=planner.Assumptions().rollout_mfu,
                        help="assumed SGLang generation MFU")
     group.add_argument("--response-fraction", type=float, default=planner.Assumptions().response_fraction,
                        help="assumed mean response length / max_new_tokens (time and GPU-hours only)")
+    if not with_nodes:
+        # The launch form (the stages' resources give the nodes): it submits, so it has a check to skip.
+        group.add_argument("--skip-plan-check", action="store_true",
+                           help="launch even when a stage's model config cannot be read on this machine (that "
+                                "stage goes unchecked; the others are still checked, and --force overrides a "
+                                "refusal)")
 
 
 def _trainer_options(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
@@ -96,7 +110,8 @@ def stage_inputs(cfg: Any, dims: planner.ModelDims, *, resources: Any, args: arg
     return planner.PlanInputs(
         dims=dims, layout=planner.layout_from_rl(cfg, trainer_gpus=cluster.trainer_gpus),
         trainer=planner.trainer_settings_from_rl(cfg, **_trainer_options(args, cfg)),
-        workload=planner.workload_from_rl(cfg, prompt_tokens=args.prompt_tokens, num_runs=num_runs),
+        workload=planner.workload_from_rl(cfg, prompt_tokens=planner.prompt_allowance(dims, args.prompt_tokens),
+                                          num_runs=num_runs),
         cluster=cluster,
         assumptions=planner.Assumptions(mfu=args.mfu, rollout_mfu=args.rollout_mfu,
                                         response_fraction=args.response_fraction),
@@ -169,16 +184,38 @@ def format_plan(result: planner.Plan, *, title: str) -> str:
     return "\n".join(lines)
 
 
+def _unreadable(context: planner.StageContext) -> str:
+    """What could not be read for a stage, and why (the reason names the path when it can)."""
+    why = str(context.unreadable)
+    return why if context.source in why else f"{context.source}: {why}"
+
+
+def format_context(context: planner.StageContext, *, prompt_tokens: int | None) -> str:
+    """One generating stage's context check: the prompt allowance plus its max_new_tokens against its model."""
+    if context.dims is None:
+        return f"context: {context.option}: not checked, cannot be read here: {_unreadable(context)}"
+    dims = context.dims
+    allowance = planner.prompt_allowance(dims, prompt_tokens)
+    verdict = "fits" if context.problem(prompt_tokens) is None else "DOES NOT FIT"
+    return (f"context: {context.option}: ~{allowance} prompt + {context.max_new_tokens} new = "
+            f"{allowance + context.max_new_tokens} of {dims.max_position_embeddings} positions ({dims.name}, "
+            f"from {context.source}): {verdict}")
+
+
+def _recipe_campaign(args: argparse.Namespace) -> Any:
+    from recipes.campaigns import CAMPAIGNS
+
+    if args.recipe not in CAMPAIGNS:
+        raise UserError(f"--recipe: unknown campaign {args.recipe!r}; known: {', '.join(sorted(CAMPAIGNS))}")
+    return CAMPAIGNS[args.recipe](output_dir="runs/plan")
+
+
 def rl_jobs(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
     """(name, RLConfig, Resources or None) of every rl job the arguments name."""
     from pipeline.config import RLConfig
 
     if args.recipe:
-        from recipes.campaigns import CAMPAIGNS
-
-        if args.recipe not in CAMPAIGNS:
-            raise UserError(f"--recipe: unknown campaign {args.recipe!r}; known: {', '.join(sorted(CAMPAIGNS))}")
-        campaign = CAMPAIGNS[args.recipe](output_dir="runs/plan")
+        campaign = _recipe_campaign(args)
         rl_stages = [stage.name for stage in campaign.stages if stage.kind == "rl"]
         # Every rl stage plans under the same overrides, whatever variants the campaign has.
         campaign = campaign.with_overrides([f"{name}.{override}" for name in rl_stages for override in args.overrides])
@@ -198,6 +235,19 @@ def plan_jobs(jobs: list[tuple[str, Any, Any]], dims: planner.ModelDims, args: a
             for name, cfg, resources in jobs]
 
 
+def recipe_contexts(args: argparse.Namespace, dims: planner.ModelDims) -> list[planner.StageContext]:
+    """The curate and evaluate stages of ``--recipe`` on the planned model (its rl stages are planned whole)."""
+    if not args.recipe:
+        return []
+    contexts = []
+    for stage in _recipe_campaign(args).stages:
+        if stage.kind in planner.GENERATION_FIELDS and stage.kind != "rl":
+            field_name, max_new_tokens = planner.stage_generation(stage)
+            contexts.append(planner.StageContext(stage=stage.name, kind=stage.kind, field=field_name,
+                                                 max_new_tokens=max_new_tokens, source=args.model, dims=dims))
+    return contexts
+
+
 def run_plan_command(args: argparse.Namespace) -> int:
     try:
         dims = planner.load_model_dims(args.model)
@@ -208,37 +258,54 @@ def run_plan_command(args: argparse.Namespace) -> int:
     for name, result in results:
         print(format_plan(result, title=name))
         print()
+    contexts = recipe_contexts(args, dims)
+    for context in contexts:
+        print(format_context(context, prompt_tokens=args.prompt_tokens))
     total = sum(result.gpu_hours for _, result in results)
     print(f"rl stages: {len(results)}, {total:,.0f} GPU-hours in all (curate, evaluate and export not counted)")
-    return 0 if all(result.fits for _, result in results) else 1
+    refused = [problem for problem in (context.problem(args.prompt_tokens) for context in contexts) if problem]
+    for problem in refused:
+        print(f"refused: {problem}")
+    return 0 if all(result.fits for _, result in results) and not refused else 1
 
 
 def check_campaign_plan(plan: Any, args: argparse.Namespace, *, out=print) -> None:
-    """`winnow launch`'s pre-flight: plan every GPU rl stage; refuse an infeasible one unless --force.
+    """`winnow launch`'s pre-flight, before anything is submitted.
 
-    A stage whose model config cannot be read here (a path only the cluster sees) is
-    reported and not checked.
+    Every stage that generates (rl, curate, evaluate, on CPU or GPU) has its ``max_new_tokens``
+    checked against its model's positions with the prompt allowance (``--prompt-tokens``), on the
+    model ``planner.stage_contexts`` finds for it across the campaign; a GPU rl stage is planned
+    whole (memory, KV cache, context). A refused stage stops the launch unless ``--force``. A stage
+    whose model config cannot be read here (a path only the cluster sees) stops it unless
+    ``--skip-plan-check``; a bootstrap policy that does not exist yet is no such stage, its
+    ``model`` section gives the dimensions.
     """
-    gpu_stages = [stage for stage in plan.stages if stage.kind == "rl" and stage.resources.gpus_per_node > 0]
-    if not gpu_stages:
-        return
-    failures = []
-    for stage in gpu_stages:
-        rollout = stage.resources.rollout
-        model = (rollout.model_path if rollout is not None and rollout.model_path else stage.config.policy)
-        try:
-            dims = planner.load_model_dims(model)
-        except Exception as error:  # noqa: BLE001 -- any unreadable model: the plan is skipped, not the launch
-            out(f"plan: {stage.name} not checked ({error})")
+    failures: list[str] = []
+    unchecked: dict[str, list[str]] = {}  # what could not be read, and why → the stages it leaves unchecked
+    for context in planner.stage_contexts(plan):
+        stage = plan.stage(context.stage)
+        if context.dims is None:
+            out(f"plan: {stage.name} not checked: {_unreadable(context)}")
+            unchecked.setdefault(_unreadable(context), []).append(stage.name)
             continue
-        result = planner.plan(stage_inputs(stage.config, dims, resources=stage.resources, args=args, num_runs=1,
-                                           gpus_per_node=stage.resources.gpus_per_node))
-        out(format_plan(result, title=stage.name))
-        if not result.fits:
-            failures.append(f"{stage.name}: " + "; ".join(result.problems))
+        if stage.kind == "rl" and stage.resources.gpus_per_node > 0:
+            result = planner.plan(stage_inputs(stage.config, context.dims, resources=stage.resources, args=args,
+                                               num_runs=1, gpus_per_node=stage.resources.gpus_per_node))
+            out(format_plan(result, title=stage.name))
+            if not result.fits:
+                failures.append(f"{stage.name}: " + "; ".join(result.problems))
+            continue
+        out(f"plan: {stage.name}: " + format_context(context, prompt_tokens=args.prompt_tokens))
+        problem = context.problem(args.prompt_tokens)
+        if problem is not None:
+            failures.append(problem)
     if failures and not args.force:
         raise UserError("the plan refuses: " + " | ".join(failures) + " (winnow plan shows why; --force launches anyway)")
-
-
-
-
+    if unchecked and not args.skip_plan_check:
+        unread = " | ".join(f"{', '.join(stages)}: {why}" for why, stages in unchecked.items())
+        raise UserError(f"the plan cannot check these stages, their model config cannot be read on this machine: "
+                        f"{unread}; give a folder holding the model's config.json (--model-dir for a campaign "
+                        f"recipe), or --skip-plan-check to launch them unchecked")
+    if unchecked:
+        out(f"plan: launching {sum(len(stages) for stages in unchecked.values())} stage(s) unchecked "
+            "(--skip-plan-check)")

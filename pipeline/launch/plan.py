@@ -54,6 +54,12 @@ What it models, and from where:
 * **KV cache** (``kv_cache_plan``): ``2·L·g·d·bytes`` per token (K and V of every layer),
   split over a server's TP ranks (replicated when ``g < tp``); capacity is SGLang's
   ``--mem-fraction-static`` share of the GPU minus the weights.
+* **Context** (``context_problem``, ``stage_contexts``): every stage that generates (rl,
+  curate, evaluate) needs its ``max_new_tokens`` plus a prompt within the model's
+  ``max_position_embeddings``; curation and evaluation drop each prompt that does not fit
+  (``pipeline.eval.sharded.fits_context``), so a length that leaves no room drops them all.
+  The prompt allowance is ``prompt_allowance``; the model of each stage is found across the
+  campaign (a checkpoint an earlier stage writes has that stage's model).
 """
 
 from __future__ import annotations
@@ -78,11 +84,14 @@ __all__ = [
     "ModelDims",
     "Plan",
     "PlanInputs",
+    "StageContext",
     "TimePlan",
     "TrainerSettings",
     "Workload",
     "candidate_layouts",
+    "bootstrap_model_dims",
     "checkpoint_write_plan",
+    "context_problem",
     "head_buffer_bytes",
     "korthikanti_gpt_layer_bytes",
     "kv_cache_plan",
@@ -91,7 +100,10 @@ __all__ = [
     "model_state_bytes",
     "pipeline_bubble",
     "plan",
+    "prompt_allowance",
     "smallest_fitting_layout",
+    "stage_contexts",
+    "stage_generation",
     "stage_parameters",
     "step_flops",
     "sync_seconds",
@@ -762,12 +774,10 @@ def plan(inputs: PlanInputs) -> Plan:
     problems = layout_problems(inputs.dims, inputs.layout, inputs.cluster)
     stages = memory_plan(inputs)
     problems += _memory_problems(inputs, stages)
-    context = inputs.dims.max_position_embeddings
-    if inputs.seq_length > context:
-        problems.append(f"context: a {inputs.workload.prompt_tokens}-token prompt + max_new_tokens="
-                        f"{inputs.workload.max_new_tokens} is {inputs.seq_length} tokens, more than the model's "
-                        f"{context} positions (max_new_tokens ≤ {context - inputs.workload.prompt_tokens} leaves "
-                        f"room for the prompt)")
+    context = context_problem(inputs.dims, max_new_tokens=inputs.workload.max_new_tokens,
+                              prompt_tokens=inputs.workload.prompt_tokens)
+    if context is not None:
+        problems.append(f"context: {context}")
     kv = kv_cache_plan(inputs)
     if kv is not None:
         server_gpus = inputs.cluster.servers_per_node * inputs.cluster.server_tensor_parallel
@@ -791,9 +801,15 @@ def load_model_dims(path: str | Path) -> ModelDims:
     path = Path(path)
     if path.is_file() or (path / "config.json").is_file():
         return ModelDims.from_hf_config(path)
-    from pipeline.checkpoint.artifact import checkpoint_spec, resolve_checkpoint
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    from pipeline.checkpoint.artifact import LATEST_FILE, MANIFEST_FILE, checkpoint_spec, resolve_checkpoint
 
-    step_dir = resolve_checkpoint(path)
+    run_dir = path
+    nested = path / "checkpoints"  # a bootstrap cache entry keeps its run one level down
+    if nested.is_dir() and not (path / MANIFEST_FILE).is_file() and not (path / LATEST_FILE).is_file():
+        run_dir = nested
+    step_dir = resolve_checkpoint(run_dir)
     return ModelDims.from_spec(checkpoint_spec(step_dir), name=path.name)
 
 
@@ -833,3 +849,168 @@ def layout_from_rl(cfg: Any, *, trainer_gpus: int) -> Layout:
     """``parallel.tensor_parallel`` × ``parallel.pipeline_parallel``; data parallel takes the rest."""
     tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
     return Layout(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=max(1, trainer_gpus // (tp * pp)))
+
+
+# ---------------------------------------------------------------- context of every generating stage
+
+
+# The longest templated prompt the planner assumes for a Hugging Face model (``--prompt-tokens``):
+# a competition math problem under a chat template, with room to spare.
+DEFAULT_PROMPT_TOKENS = 1024
+# A stage's generation length, as the dotted option a launch override names (``<stage>.<field>=N``).
+GENERATION_FIELDS = {"rl": "max_new_tokens", "curate": "max_new_tokens", "evaluate": "eval.max_new_tokens"}
+
+
+def prompt_allowance(dims: ModelDims, prompt_tokens: int | None = None) -> int:
+    """The prompt length every generating stage must leave room for: ``prompt_tokens`` when given,
+    else ``DEFAULT_PROMPT_TOKENS`` or a quarter of the model's positions, whichever is smaller.
+
+    The quarter covers the models winnow builds itself: the CPU bootstrap policy has 128 positions
+    (an allowance of 32) and its arithmetic prompts take at most 18 of its tokens (difficulty 5,
+    raw template). For 4,096 positions and more the allowance is the full 1,024.
+    """
+    if prompt_tokens is not None:
+        return prompt_tokens
+    return min(DEFAULT_PROMPT_TOKENS, dims.max_position_embeddings // 4)
+
+
+def context_problem(dims: ModelDims, *, max_new_tokens: int, prompt_tokens: int,
+                    field: str = "max_new_tokens") -> str | None:
+    """Why ``max_new_tokens`` after a ``prompt_tokens``-token prompt overflows the model, naming ``field``
+    and the longest length that fits; None when it fits."""
+    positions = dims.max_position_embeddings
+    if prompt_tokens + max_new_tokens <= positions:
+        return None
+    room = positions - prompt_tokens
+    fix = f"{field} ≤ {room} fits" if room >= 1 else "the prompt alone fills the context"
+    return (f"{field}: {max_new_tokens} new tokens + a ~{prompt_tokens}-token prompt exceed {dims.name}'s "
+            f"{positions} positions ({fix})")
+
+
+def bootstrap_model_dims(cfg: Any) -> ModelDims:
+    """A ``BootstrapConfig``'s policy before it exists: its ``model`` section. The vocabulary is the
+    configured size padded to ``vocab_multiple``, an upper bound (the trained tokenizer may hold fewer)."""
+    model = cfg.model
+    return ModelDims(
+        name="the bootstrap policy", vocab_size=math.ceil(cfg.vocab_size / cfg.vocab_multiple) * cfg.vocab_multiple,
+        hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size, num_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads, num_kv_heads=model.num_query_groups,
+        head_dim=model.hidden_size // model.num_attention_heads,
+        max_position_embeddings=model.max_position_embeddings, qkv_bias=model.family == "qwen2",
+        tie_embeddings=model.tie_embeddings,
+    )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StageContext:
+    """One generating stage of a campaign: its generation length and the model that bounds it."""
+
+    stage: str
+    kind: str
+    field: str  # the dotted option holding max_new_tokens (GENERATION_FIELDS)
+    max_new_tokens: int
+    source: str  # what the model's dimensions are read from: a path, or a bootstrap's model section
+    dims: ModelDims | None = None
+    unreadable: str | None = None  # why ``dims`` could not be read here (then None)
+
+    @property
+    def option(self) -> str:
+        """``<stage>.<field>``: the override that sets this stage's length."""
+        return f"{self.stage}.{self.field}"
+
+    def problem(self, prompt_tokens: int | None = None) -> str | None:
+        """The context refusal at the given prompt allowance (``prompt_allowance``'s default when None)."""
+        assert self.dims is not None, "an unreadable model has no context to check"
+        return context_problem(self.dims, max_new_tokens=self.max_new_tokens,
+                               prompt_tokens=prompt_allowance(self.dims, prompt_tokens), field=self.option)
+
+
+def stage_generation(stage: Any) -> tuple[str, int]:
+    """(the dotted option, its value) of a generating stage's ``max_new_tokens`` (``GENERATION_FIELDS``)."""
+    field_name = GENERATION_FIELDS[stage.kind]
+    value: Any = stage.config
+    for part in field_name.split("."):
+        value = getattr(value, part)
+    return field_name, int(value)
+
+
+def stage_contexts(campaign: Any) -> list[StageContext]:
+    """Every rl, curate and evaluate stage of a ``CampaignPlan`` with the model config it generates with.
+
+    A stage's model is, in order: its SGLang servers' ``resources.rollout.model_path`` (the
+    servers' context is that folder's); for an rl stage without a policy, its ``bootstrap``
+    section; else its ``policy``. A path that an earlier stage of the campaign writes is
+    resolved through that stage, so nothing has to exist yet: a bootstrap's cache entry is its
+    ``model`` section, a ``convert`` stage's run is its ``hf`` folder, an rl stage's checkpoint
+    directory (what evaluation and export read) is the model that rl stage trains, an export
+    is the checkpoint it converts. Anything else is read from disk here (``load_model_dims``);
+    when that fails the stage comes back with ``unreadable`` set.
+    """
+    found = []
+    for stage in campaign.stages:
+        if stage.kind not in GENERATION_FIELDS:
+            continue
+        field_name, max_new_tokens = stage_generation(stage)
+        source, dims, unreadable = _stage_model(campaign, stage, seen=frozenset({stage.name}))
+        found.append(StageContext(stage=stage.name, kind=stage.kind, field=field_name, max_new_tokens=max_new_tokens,
+                                  source=source, dims=dims, unreadable=unreadable))
+    return found
+
+
+_ModelSource = tuple[str, ModelDims | None, str | None]  # (source, dims, why unreadable)
+
+
+def _stage_model(campaign: Any, stage: Any, *, seen: frozenset[str]) -> _ModelSource:
+    cfg, kind = stage.config, stage.kind
+    if kind == "bootstrap":
+        return f"{stage.name}.model", bootstrap_model_dims(cfg), None
+    if kind == "convert":
+        return _path_model(campaign, cfg.hf, seen=seen)
+    if kind == "export":
+        return _path_model(campaign, cfg.checkpoint, seen=seen)
+    rollout = stage.resources.rollout
+    if rollout is not None and rollout.model_path:
+        return _path_model(campaign, rollout.model_path, seen=seen)
+    if kind == "rl" and cfg.policy is None:
+        return f"{stage.name}.bootstrap.model", bootstrap_model_dims(cfg.bootstrap), None
+    if not cfg.policy:
+        return f"{stage.name}.policy", None, "no policy is set"
+    return _path_model(campaign, cfg.policy, seen=seen)
+
+
+def _path_model(campaign: Any, path: str, *, seen: frozenset[str]) -> _ModelSource:
+    producer = _producer(campaign, Path(path), exclude=seen)
+    if producer is not None:
+        return _stage_model(campaign, producer, seen=seen | {producer.name})
+    try:
+        return path, load_model_dims(path), None
+    except (ValueError, OSError) as error:  # UserError and CheckpointError are ValueErrors
+        return path, None, str(error)
+
+
+def _producer(campaign: Any, path: Path, *, exclude: frozenset[str]) -> Any | None:
+    """The stage of ``campaign`` that writes ``path`` (or a folder holding it), if any."""
+    target = path.expanduser().absolute()
+    for stage in campaign.stages:
+        if stage.name in exclude:
+            continue
+        written = _written_model_dir(stage)
+        if written is not None and target.is_relative_to(written.expanduser().absolute()):
+            return stage
+    return None
+
+
+def _written_model_dir(stage: Any) -> Path | None:
+    """Where a stage writes a model: a bootstrap's cache entry, a conversion's or export's output, an rl
+    stage's checkpoints; None for stages that write none."""
+    cfg = stage.config
+    if stage.kind == "bootstrap":
+        from pipeline.io import resolve_cache_dir
+        from pipeline.stages.bootstrap import config_hash
+
+        return resolve_cache_dir(cfg.cache_dir) / config_hash(cfg)
+    if stage.kind in ("convert", "export"):
+        return Path(cfg.out)
+    if stage.kind == "rl":
+        return Path(cfg.checkpoint.directory)
+    return None

@@ -19,7 +19,12 @@ Every check is cheap and read-only; nothing here creates a file or a folder:
   the same lookup the stage uses;
 * an output folder: it, or its nearest existing ancestor, is a folder this process may
   write into;
-* rollout servers: each answers ``GET /health`` within ``SERVER_TIMEOUT_S``.
+* rollout servers: each answers ``GET /health`` within ``SERVER_TIMEOUT_S``;
+* a generation length: ``max_new_tokens`` leaves at least one of the policy's positions for the
+  prompt (``config.json``'s ``max_position_embeddings``, a checkpoint's spec, or the bootstrap's
+  ``model`` section); curation and evaluation would otherwise drop every prompt as too long.
+  Only this certain failure is refused here: ``winnow plan`` and ``winnow launch`` also ask room
+  for a whole prompt (``pipeline.launch.plan.context_problem``).
 
 The checks are picked by the config's type from ``PREFLIGHTS`` (``register_preflight``); a
 type with no entry has nothing to check. Checks return informational notes (the cache root a
@@ -186,10 +191,35 @@ def check_writable(found: Preflight, name: str, path: str | os.PathLike[str]) ->
         found.problem(name, f"{folder} is not writable ({existing} does not let this user create files)")
 
 
+def check_generation(found: Preflight, name: str, max_new_tokens: int, *, positions: int | None, model: str) -> None:
+    """``max_new_tokens`` (option ``name``) leaves a position for the prompt in ``model``'s ``positions``."""
+    if positions is not None and max_new_tokens >= positions:
+        found.problem(name, f"{max_new_tokens} new tokens leave no room for a prompt in the {positions} positions of "
+                            f"{model}; every prompt would be dropped as too long (lower {name} to leave the prompt "
+                            "its positions)")
+
+
+def _hf_positions(folder: Path) -> int | None:
+    """``max_position_embeddings`` of a Hugging Face folder's ``config.json`` (None: not stated or unreadable)."""
+    import json
+
+    try:
+        value = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
 def check_policy(found: Preflight, name: str, path: str | None, *, tokenizer: str | None = None,
-                 tokenizer_name: str = "tokenizer") -> None:
-    """``path`` is a Hugging Face folder or a winnow checkpoint (a run, a step, a bootstrap cache entry), with a tokenizer."""
+                 tokenizer_name: str = "tokenizer", generates: tuple[str, int] | None = None) -> None:
+    """``path`` is a Hugging Face folder or a winnow checkpoint (a run, a step, a bootstrap cache entry), with a
+    tokenizer.
+
+    ``generates``: (option, value) of the stage's ``max_new_tokens``, checked against the policy's
+    positions (``check_generation``).
+    """
     from pipeline.checkpoint.artifact import (
+        checkpoint_spec,
         find_tokenizer_dir,
         is_hf_folder,
         resolve_checkpoint,
@@ -207,16 +237,21 @@ def check_policy(found: Preflight, name: str, path: str | None, *, tokenizer: st
         return
     if is_hf_folder(folder):
         candidates = [folder]
+        positions = _hf_positions(folder)
     else:
         nested = folder / "checkpoints"  # a bootstrap cache entry keeps its run one level down
         run_dir = nested if nested.is_dir() and not (folder / "manifest.json").is_file() \
             and not (folder / "latest").is_file() else folder
         try:
-            candidates = tokenizer_candidates(resolve_checkpoint(run_dir))
+            step_dir = resolve_checkpoint(run_dir)
+            candidates = tokenizer_candidates(step_dir)
+            positions = checkpoint_spec(step_dir).max_position_embeddings
         except UserError as error:
             found.problem(name, f"{folder} is not a Hugging Face folder (no config.json with weights) and not a "
                                 f"usable winnow checkpoint: {_message(error)}")
             return
+    if generates is not None:
+        check_generation(found, generates[0], generates[1], positions=positions, model=f"{name}={folder}")
     try:
         located = find_tokenizer_dir(tokenizer, candidates=candidates)
     except UserError as error:
@@ -290,8 +325,11 @@ def _rl(cfg: RLConfig, found: Preflight) -> None:
     check_source(found, "eval_set", cfg.eval_set, split="test", spec_split_wins=True)
     if cfg.policy is None:
         _bootstrap(cfg.bootstrap, found, prefix="bootstrap.")
+        check_generation(found, "max_new_tokens", cfg.max_new_tokens,
+                         positions=cfg.bootstrap.model.max_position_embeddings, model="the bootstrap policy")
     else:
-        check_policy(found, "policy", cfg.policy, tokenizer=cfg.tokenizer)
+        check_policy(found, "policy", cfg.policy, tokenizer=cfg.tokenizer,
+                     generates=("max_new_tokens", cfg.max_new_tokens))
     if cfg.curation_dir is not None:
         check_curation(found, "curation_dir", cfg.curation_dir)
     estimator_dir = cfg.algorithm.depo.estimator_dir
@@ -310,7 +348,7 @@ def _rl(cfg: RLConfig, found: Preflight) -> None:
 @register_preflight(CurateConfig)
 def _curate(cfg: CurateConfig, found: Preflight) -> None:
     check_sources(found, "sources", cfg.sources, split=cfg.split, on_bad_row=cfg.on_bad_row)
-    check_policy(found, "policy", cfg.policy, tokenizer=cfg.tokenizer)
+    check_policy(found, "policy", cfg.policy, tokenizer=cfg.tokenizer, generates=("max_new_tokens", cfg.max_new_tokens))
     check_writable(found, "output_dir", cfg.output_dir)
 
 
@@ -324,7 +362,8 @@ def _train_estimator(cfg: TrainEstimatorConfig, found: Preflight) -> None:
 
 @register_preflight(EvaluateConfig)
 def _evaluate(cfg: EvaluateConfig, found: Preflight) -> None:
-    check_policy(found, "policy", cfg.policy, tokenizer=cfg.tokenizer)
+    check_policy(found, "policy", cfg.policy, tokenizer=cfg.tokenizer,
+                 generates=("eval.max_new_tokens", cfg.eval.max_new_tokens))
     check_sources(found, "eval.benchmarks", cfg.eval.benchmarks, split=cfg.eval.split, spec_split_wins=True)
     check_writable(found, "output_dir", cfg.output_dir)
 

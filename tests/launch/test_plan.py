@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,87 @@ def test_every_h100_campaign_fits(recipe, tmp_path):
         result = P.plan(stage_inputs(stage.config, model, resources=stage.resources, args=ARGS, num_runs=1,
                                      gpus_per_node=8))
         assert result.fits, result.problems
+
+
+# ------------------------------------------------------------------ context of every generating stage
+
+
+def _hf_folder(tmp_path: Path, model: str) -> Path:
+    """A folder holding only the published config.json of ``model``: all the planner reads."""
+    folder = tmp_path / model
+    folder.mkdir(parents=True)
+    shutil.copy(FIXTURES / f"{model}.json", folder / "config.json")
+    return folder
+
+
+def test_the_prompt_allowance_is_1024_tokens_or_a_quarter_of_a_short_context():
+    qwen = dims("Qwen2.5-Math-7B")
+    assert P.prompt_allowance(qwen) == 1024 and P.prompt_allowance(qwen, 300) == 300
+    bootstrap = P.replace(qwen, max_position_embeddings=128)
+    assert P.prompt_allowance(bootstrap) == 32
+
+
+def test_a_context_refusal_names_the_option_the_numbers_and_the_length_that_fits():
+    qwen = dims("Qwen2.5-Math-7B")
+    assert P.context_problem(qwen, max_new_tokens=3072, prompt_tokens=1024) is None
+    assert P.context_problem(qwen, max_new_tokens=4096, prompt_tokens=1024, field="curate.max_new_tokens") == (
+        "curate.max_new_tokens: 4096 new tokens + a ~1024-token prompt exceed Qwen2.5-Math-7B's 4096 positions "
+        "(curate.max_new_tokens ≤ 3072 fits)")
+    assert "the prompt alone fills the context" in P.context_problem(qwen, max_new_tokens=1, prompt_tokens=4096)
+
+
+def test_each_stage_generates_with_the_model_the_campaign_gives_it(tmp_path):
+    """No servers: evaluation reads the rl run's checkpoints, rl trains from the convert stage's run; neither
+    exists before the campaign runs, so both resolve through those stages to the Hugging Face folder."""
+    from pipeline.config import CheckpointConfig, CurateConfig, EvalConfig, EvaluateConfig, RLConfig
+    from pipeline.launch.campaign import CampaignPlan, ConvertConfig, ExportConfig, Stage
+
+    folder = _hf_folder(tmp_path, "Qwen2.5-Math-7B")
+    root = tmp_path / "run"
+    stages = [
+        Stage(name="convert", kind="convert", config=ConvertConfig(hf=str(folder), out=str(root / "base"))),
+        Stage(name="curate", kind="curate", config=CurateConfig(policy=str(folder), max_new_tokens=4096)),
+        Stage(name="rl", kind="rl", depends_on=("convert",), config=RLConfig(
+            policy=str(root / "base"), max_new_tokens=3072,
+            checkpoint=CheckpointConfig(directory=str(root / "rl" / "checkpoints")))),
+        Stage(name="export", kind="export", depends_on=("rl",),
+              config=ExportConfig(checkpoint=str(root / "rl" / "checkpoints"), out=str(root / "export"))),
+        Stage(name="evaluate", kind="evaluate", depends_on=("rl",), config=EvaluateConfig(
+            policy=str(root / "rl" / "checkpoints"), eval=EvalConfig(max_new_tokens=2048))),
+        Stage(name="evaluate-export", kind="evaluate", depends_on=("export",), config=EvaluateConfig(
+            policy=str(root / "export"), eval=EvalConfig(max_new_tokens=4000))),
+    ]
+    contexts = {context.stage: context for context in P.stage_contexts(CampaignPlan(name="c", output_dir=root,
+                                                                                    stages=stages))}
+    assert set(contexts) == {"curate", "rl", "evaluate", "evaluate-export"}
+    for context in contexts.values():
+        assert context.unreadable is None and context.source == str(folder)
+        assert context.dims.max_position_embeddings == 4096
+    assert [contexts[name].option for name in ("curate", "evaluate")] == ["curate.max_new_tokens",
+                                                                          "evaluate.eval.max_new_tokens"]
+    assert {name for name, context in contexts.items() if context.problem() is not None} == {
+        "curate", "evaluate-export"}
+    assert contexts["rl"].problem() is None and contexts["evaluate"].problem() is None
+
+
+def test_servers_bound_the_context_and_an_unreadable_model_says_so(tmp_path):
+    from recipes.campaigns import qwen25_math_7b
+
+    folder = _hf_folder(tmp_path, "Qwen2.5-Math-7B")
+    # The servers of curation and evaluation start from model_path; rl's trainer trains the converted copy.
+    contexts = P.stage_contexts(qwen25_math_7b(output_dir=tmp_path / "run", model_dir=str(folder)))
+    assert {context.kind for context in contexts} == {"rl", "curate", "evaluate"}
+    assert all(context.source == str(folder) and context.dims is not None for context in contexts)
+    missing = P.stage_contexts(qwen25_math_7b(output_dir=tmp_path / "run", model_dir=str(tmp_path / "absent")))
+    assert all(context.dims is None and "absent does not exist" in context.unreadable for context in missing)
+
+
+def test_a_bootstrap_policy_is_checked_from_its_model_section_before_it_exists(tmp_path):
+    from recipes.campaigns import cpu_tiny_campaign
+
+    contexts = P.stage_contexts(cpu_tiny_campaign(output_dir=tmp_path))
+    assert {context.kind for context in contexts} == {"rl", "curate", "evaluate"}
+    assert all(context.dims.max_position_embeddings == 128 for context in contexts)
+    curate = next(context for context in contexts if context.stage == "curate")
+    assert curate.source == "bootstrap.model" and curate.problem() is None
+    assert not (tmp_path / "cache").exists()  # nothing was built or read

@@ -27,7 +27,7 @@ from tests.stages.test_evaluate import hf_policy  # noqa: F401 - a fixture
 def test_an_unsatisfiable_synthetic_benchmark_is_one_error_line(
         tmp_path, capsys, hf_policy, spec, message):  # noqa: F811
     code = cli.main(["evaluate", str(hf_policy), f"output_dir={tmp_path}", f'eval.benchmarks=["{spec}"]',
-                     "progress=false"])
+                     "progress=false", "eval.max_new_tokens=8"])
     err = capsys.readouterr().err
     assert code == cli.EXIT_USER_ERROR, err
     assert "Traceback" not in err, err
