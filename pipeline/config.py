@@ -9,7 +9,7 @@ out of range with the dotted field path in the message.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from pipeline.configlib import ConfigError, option, section
@@ -81,6 +81,11 @@ class EvalConfig:
     temperature: float = option(0.6, ge=0.0, help="sampling temperature")
     top_p: float = option(0.95, gt=0.0, le=1.0, help="nucleus sampling threshold")
     max_new_tokens: int = option(512, ge=1, help="generation length limit")
+    max_skipped_fraction: float = option(
+        0.05, ge=0.0, le=1.0, help="largest fraction of a benchmark's problems that may be skipped for not fitting "
+        "the model's context with max_new_tokens; above it the evaluation fails, since its score would describe "
+        "another set of problems (1: any fraction)"
+    )
     limit: int | None = option(None, ge=1, help="evaluate at most this many problems per benchmark")
     bootstrap_samples: int = option(1000, ge=0, help="bootstrap resamples for confidence intervals")
     seed: int = option(1234, help="sampling seed")
@@ -490,6 +495,26 @@ class AlgorithmConfig:
                  f"{self.ada_seq.round_size} exceeds ada_seq.max_samples={self.ada_seq.max_samples}")
         _require(not (self.sampling == "ada_seq" and self.budget != "uniform"), "budget",
                  "ada_seq sampling sets its own per-prompt budgets; use budget=uniform with it")
+
+
+# The fields of AlgorithmConfig that choose a training method: each registry slot's selection
+# (``pipeline/rl/methods.py``, ``pipeline/rl/sampling.py``) with its option section, and the loss
+# aggregation a method prescribes (D³S Eq. 10, Dr. GRPO). Every other field is shared by the
+# methods of a comparison: the clip range, the KL and entropy terms, and the rollout correction,
+# which corrects the engine/trainer log-prob gap of the infrastructure whatever the method trains.
+METHOD_FIELDS: tuple[str, ...] = (
+    "advantage", "baseline_weight", "loss", "aggregation", "sample_selector", "d3s", "token_weights",
+    "cw_grpo_scope", "temperature", "e3", "prompt_filter", "depo", "budget", "e3_budget", "ada_est",
+    "sampling", "ada_seq", "dynamic",
+)
+assert set(METHOD_FIELDS) <= {field.name for field in fields(AlgorithmConfig)}
+
+
+def plain_grpo(algorithm: AlgorithmConfig) -> AlgorithmConfig:
+    """``algorithm`` with every method field (``METHOD_FIELDS``) at its default, plain GRPO, and the
+    shared fields as they were: the baseline matched to a method on everything but the method."""
+    defaults = AlgorithmConfig()
+    return replace(algorithm, **{name: getattr(defaults, name) for name in METHOD_FIELDS})
 
 
 @dataclass(kw_only=True, slots=True)

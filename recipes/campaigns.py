@@ -1,10 +1,13 @@
-"""Campaign recipes: whole campaigns (bootstrap or HF policy → curate → estimator → rl variants →
-evaluate and export each), with their resources, built from the stage presets.
+"""Campaign recipes: whole campaigns (bootstrap or HF policy → curate → estimator, when a variant
+filters with DEPO → rl variants → evaluate and export each), with their resources, built from the
+stage presets.
 
 ``cpu_campaign`` runs anywhere (``tiny=True`` in a few minutes, for CI); the H100 presets
 start from a Hugging Face model folder, train on ``nodes`` 8-GPU trainer nodes with SGLang
 servers on rollout nodes of the same job, and compare the chosen RL config with a plain
-GRPO baseline. The trainer and the servers take the base model in different formats: a
+GRPO baseline matched to it on everything but the method (``pipeline.config.plain_grpo``).
+Curation, RL and evaluation generate with one budget of new tokens, the model's. The
+trainer and the servers take the base model in different formats: a
 ``convert`` stage turns the folder into a winnow checkpoint once (logit gate on), the rl
 stages train from that, and their servers load the folder itself (``rollout.model_path``). Every path between stages comes from ``output_dir``
 (:func:`pipeline.launch.campaign.wire_campaign`).
@@ -27,6 +30,7 @@ from pipeline.config import (
     RewardConfig,
     RLConfig,
     TrainerConfig,
+    plain_grpo,
 )
 from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import (
@@ -35,6 +39,7 @@ from pipeline.launch.campaign import (
     Resources,
     RolloutServers,
     Stage,
+    reads_estimator,
     wire_campaign,
 )
 from pipeline.launch.demo import VARIANTS as DEMO_VARIANTS
@@ -101,7 +106,7 @@ def _train_uncurated(plan: CampaignPlan, *, variant: str, sources: list[str], sp
     and it depends only on the base policy, so the ledger charges it nothing before RL."""
     name = f"rl-{variant}"
     stage = plan.stage(name)
-    if stage.config.algorithm.prompt_filter == "depo":
+    if reads_estimator(stage.config):
         raise ConfigError(f"{name}: the DEPO filter needs the estimator trained on the curation")
     cfg = dataclasses.replace(stage.config, curation_dir=None,
                               data=dataclasses.replace(stage.config.data, train=list(sources), split=split))
@@ -116,7 +121,10 @@ def demo_campaign(cfg: DemoConfig) -> CampaignPlan:
     plan = cpu_campaign(output_dir=cfg.output_dir, tiny=cfg.tiny, steps=cfg.steps)
     overrides = []
     for variant in DEMO_VARIANTS:  # every variant the demo's tables report
+        # Most GSM8K and MATH-500 problems do not fit the bootstrap policy's 128 positions: the demo
+        # shows them counted as too long beside the arithmetic it can score, rather than refusing.
         overrides += [f"evaluate-{variant}.eval.benchmarks={json.dumps(cfg.benchmarks)}",
+                      f"evaluate-{variant}.eval.max_skipped_fraction=1.0",
                       f"evaluate-{variant}.eval.limit={cfg.eval_limit}",
                       f"evaluate-{variant}.eval.num_samples={cfg.eval_samples}",
                       f"evaluate-{variant}.eval.ks={json.dumps(cfg.ks)}"]
@@ -155,6 +163,12 @@ def h100_campaign(*, name: str, model_dir: str, output_dir: str | Path, rl: RLCo
                   rollout: RolloutServers, time_limit: str = "04:00:00") -> CampaignPlan:
     """A campaign on 8×H100 nodes: ``rl`` against plain GRPO with the same layout and budgets.
 
+    The baseline is ``rl`` with its method fields reset (``plain_grpo``): it keeps the shared
+    settings, the rollout correction (TIS) included, so the two differ only in the method.
+    Curation and evaluation generate ``rl.max_new_tokens``, the budget RL samples with, which
+    leaves the prompt the rest of the model's context. The estimator is trained only when a
+    variant filters with DEPO (``wire_campaign``).
+
     The rl jobs take ``nodes`` trainer nodes (8 ranks each) plus ``rollout.nodes`` nodes of
     SGLang servers; they get SIGUSR1 before their time limit, checkpoint and are requeued
     (up to 50 times: a 500-step run spans many 4-hour jobs). Curation and evaluation generate
@@ -165,15 +179,16 @@ def h100_campaign(*, name: str, model_dir: str, output_dir: str | Path, rl: RLCo
     # Trainer and rollout nodes share the job's network: weights reach the servers by broadcast.
     sync = dataclasses.replace(rl.rollout, sync="distributed", server_tensor_parallel=rollout.tensor_parallel)
     chosen = dataclasses.replace(rl, policy=rl.policy or model_dir, rollout=sync)
-    baseline = dataclasses.replace(chosen, algorithm=AlgorithmConfig())
+    baseline = dataclasses.replace(chosen, algorithm=plain_grpo(chosen.algorithm))
     trainer = Resources(nodes=nodes, ranks_per_node=8, gpus_per_node=8, rollout=rollout, time_limit=time_limit,
                         requeues=50)
     one_gpu = Resources(gpus_per_node=1, time_limit=time_limit, requeues=3)
     on_servers = Resources(gpus_per_node=8, rollout=dataclasses.replace(rollout, model_path=chosen.policy),
                            time_limit=time_limit, requeues=3)
     plan = wire_campaign(
-        name=name, output_dir=output_dir, curate=curate_h100(), estimator=estimator_h100(),
-        rl_variants={"default": chosen, "grpo": baseline}, evaluate=evaluate_h100(), export_dtype="bf16",
+        name=name, output_dir=output_dir, curate=curate_h100(max_new_tokens=chosen.max_new_tokens),
+        estimator=estimator_h100(), rl_variants={"default": chosen, "grpo": baseline},
+        evaluate=evaluate_h100(max_new_tokens=chosen.max_new_tokens), export_dtype="bf16",
         resources={"curate": on_servers, "train-estimator": one_gpu, "rl-default": trainer, "rl-grpo": trainer,
                    "evaluate-default": on_servers, "evaluate-grpo": on_servers,
                    "export-default": Resources(time_limit="01:00:00"), "export-grpo": Resources(time_limit="01:00:00")},

@@ -91,11 +91,16 @@ def evaluate_cpu(*, tiny: bool = False) -> EvaluateConfig:
 # ================================================================ H100 presets
 
 
-def curate_h100() -> CurateConfig:
-    """Reinforce-Ada's curation (§4.1, App. C.1): k=16 on the MATH train split, 4K new tokens, chat template."""
-    return CurateConfig(sources=["math"], split="train", num_samples=16, max_new_tokens=4096, template="chat",
-                        dtype="bfloat16", device="cuda", shard_size=1024, reward=RewardConfig(num_workers=16),
-                        progress=False)
+def curate_h100(*, max_new_tokens: int) -> CurateConfig:
+    """Reinforce-Ada's curation (§4.1, App. C.1): k=16 on the MATH train split, chat template.
+
+    ``max_new_tokens``: the model's generation budget, the one its RL samples with: a prompt is
+    sampled only when it fits the context with this many new tokens (Qwen2.5-Math has 4,096
+    positions, so the papers' 4K would drop every prompt).
+    """
+    return CurateConfig(sources=["math"], split="train", num_samples=16, max_new_tokens=max_new_tokens,
+                        template="chat", dtype="bfloat16", device="cuda", shard_size=1024,
+                        reward=RewardConfig(num_workers=16), progress=False)
 
 
 def estimator_h100() -> TrainEstimatorConfig:
@@ -103,10 +108,15 @@ def estimator_h100() -> TrainEstimatorConfig:
     return TrainEstimatorConfig(encoder="minilm", epochs=3, batch_size=64, progress=False)
 
 
-def evaluate_h100() -> EvaluateConfig:
-    """The papers' benchmarks at n=32, T=0.6, top-p 0.95, 4K new tokens, in bf16 on a GPU."""
+def evaluate_h100(*, max_new_tokens: int) -> EvaluateConfig:
+    """The papers' benchmarks at n=32, T=0.6, top-p 0.95, in bf16 on a GPU.
+
+    ``max_new_tokens``: the model's generation budget (the papers use 4K where the context
+    allows it); a problem that does not fit with it is skipped, and more than
+    ``eval.max_skipped_fraction`` of a benchmark skipped is an error.
+    """
     return EvaluateConfig(
-        eval=EvalConfig(benchmarks=["math500", "gsm8k", "minerva"], num_samples=32, max_new_tokens=4096),
+        eval=EvalConfig(benchmarks=["math500", "gsm8k", "minerva"], num_samples=32, max_new_tokens=max_new_tokens),
         template="chat", dtype="bfloat16", device="cuda", max_batch_rows=512,
         reward=RewardConfig(num_workers=16), progress=False,
     )

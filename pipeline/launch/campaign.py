@@ -1,9 +1,9 @@
 """Campaigns: a DAG of named stages, a status file, and the in-process runner.
 
-A campaign is bootstrap → curate → train-estimator → rl (one or more variants) →
-evaluate and export each variant, every stage a typed config plus the resources it
-runs on. :func:`wire_campaign` derives every path between stages from one output
-root, so a recipe states only sizes and methods. The same :class:`CampaignPlan`
+A campaign is bootstrap → curate → train-estimator (when a variant filters with DEPO)
+→ rl (one or more variants) → evaluate and export each variant, every stage a typed
+config plus the resources it runs on. :func:`wire_campaign` derives every path between
+stages from one output root, so a recipe states only sizes and methods. The same :class:`CampaignPlan`
 runs in one process (:func:`run_campaign_inprocess`, one ``ParallelContext`` shared by
 every stage: megatron initializes once per process) or as NeMo-Run tasks on a
 local machine or a SLURM cluster (:mod:`pipeline.launch.nemo`).
@@ -534,6 +534,14 @@ def _one_rank_context(plan: CampaignPlan):
 
 # ================================================================ wiring a campaign from one root
 
+# The one stage a campaign has only when a variant reads it: DEPO's pre-trained estimator.
+ESTIMATOR_STAGE = "train-estimator"
+
+
+def reads_estimator(rl: RLConfig) -> bool:
+    """Whether an rl variant reads the campaign's pre-trained estimator (its DEPO prompt filter does)."""
+    return rl.algorithm.prompt_filter == "depo"
+
 
 def wire_campaign(
     *,
@@ -554,6 +562,10 @@ def wire_campaign(
     (a Hugging Face folder; all variants must share it). Stage names: ``bootstrap``,
     ``curate``, ``train-estimator``, ``rl-<variant>``, ``evaluate-<variant>``,
     ``export-<variant>``. ``resources`` maps stage names to their resources.
+
+    ``train-estimator`` trains ``estimator`` only when some variant reads it (``reads_estimator``):
+    a campaign without DEPO would spend a GPU job on a model nobody loads. ``estimator`` and
+    its resources describe how to train it if needed, so neither is an error when it is not.
     """
     from pipeline.stages.bootstrap import config_hash
     from pipeline.stages.curate import KEPT_FILE
@@ -590,12 +602,14 @@ def wire_campaign(
     add("curate", "curate", dataclasses.replace(curate, policy=policy, tokenizer=None if bootstrap else tokenizer,
                                                 output_dir=str(curation_dir)), base_deps)
     estimator_dir = root / "estimator"
-    add("train-estimator", "train-estimator",
-        dataclasses.replace(estimator, curation_dir=str(curation_dir), output_dir=str(estimator_dir)), ("curate",))
+    if any(reads_estimator(rl) for rl in rl_variants.values()):
+        add(ESTIMATOR_STAGE, "train-estimator",
+            dataclasses.replace(estimator, curation_dir=str(curation_dir), output_dir=str(estimator_dir)),
+            ("curate",))
     for variant, rl in rl_variants.items():
         run_dir = root / "rl" / variant
         algorithm = rl.algorithm
-        uses_estimator = algorithm.prompt_filter == "depo"
+        uses_estimator = reads_estimator(rl)
         if uses_estimator:
             algorithm = dataclasses.replace(algorithm, depo=dataclasses.replace(
                 algorithm.depo, estimator_dir=str(estimator_dir / ESTIMATOR_DIR)))
@@ -606,14 +620,14 @@ def wire_campaign(
             logging=dataclasses.replace(rl.logging, output_dir=str(run_dir)),
             bootstrap=bootstrap if bootstrap is not None else rl.bootstrap,
         )
-        add(f"rl-{variant}", "rl", rl, ("curate", "train-estimator") if uses_estimator else ("curate",))
+        add(f"rl-{variant}", "rl", rl, ("curate", ESTIMATOR_STAGE) if uses_estimator else ("curate",))
         add(f"evaluate-{variant}", "evaluate",
             dataclasses.replace(evaluate, policy=str(run_dir / "checkpoints"), tokenizer=tokenizer,
                                 output_dir=str(root / "eval" / variant)), (f"rl-{variant}",))
         add(f"export-{variant}", "export",
             ExportConfig(checkpoint=str(run_dir / "checkpoints"), out=str(root / "export" / variant),
                          tokenizer=tokenizer, dtype=export_dtype), (f"rl-{variant}",))
-    unknown = sorted(set(resources) - {s.name for s in stages})
+    unknown = sorted(set(resources) - {s.name for s in stages} - {ESTIMATOR_STAGE})
     if unknown:
         raise ConfigError(f"resources: no stage named {unknown[0]!r}")
     return CampaignPlan(name=name, output_dir=root, stages=stages)

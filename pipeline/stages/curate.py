@@ -20,6 +20,10 @@ choices the paper leaves open):
 5. drop trivial, impossible and (optionally) outside-hard-subset prompts by pass rate and
    write the results.
 
+A curation that keeps no prompt (in step 3 or 5) is a ``CurationError`` saying how many
+prompts each rule took and which options to change (``nothing_kept_error``), never an empty
+``kept.jsonl``.
+
 Outputs under ``output_dir``:
 
     shards/shard_XXXXX.parquet  id, source, problem, answer, metadata (JSON), n, c, pass_rate,
@@ -151,8 +155,10 @@ def run_curate(cfg: CurateConfig, *, context=None, engine=None, out: Callable[[s
     timings: dict[str, float] = {}
     output_dir = Path(cfg.output_dir)
     (output_dir / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
-    # The manifest marks a complete curation; outputs are about to be rewritten.
+    # The manifest marks a complete curation; outputs are about to be rewritten. A failed run
+    # leaves no kept prompts behind for an RL run to train on.
     (output_dir / MANIFEST_FILE).unlink(missing_ok=True)
+    (output_dir / KEPT_FILE).unlink(missing_ok=True)
 
     out(f"[1/5] load {len(cfg.sources)} source(s)")
     phase = time.perf_counter()
@@ -183,6 +189,8 @@ def run_curate(cfg: CurateConfig, *, context=None, engine=None, out: Callable[[s
         screened = rules.count_reasons(drop_reasons)
         out(f"      {policy.source}; dropped {screened[rules.REFERENCE_FAILS]:,} failing references, "
             f"{screened[rules.DUPLICATE]:,} duplicates, {screened[rules.TOO_LONG]:,} too long")
+        if not len(to_sample_index):
+            raise nothing_kept_error(cfg, screened, max_positions=policy.max_position_embeddings)
 
         to_sample = [prompts[i] for i in to_sample_index]
         fingerprint = _fingerprint(cfg, policy_source=policy.source, prompts=to_sample)
@@ -222,11 +230,16 @@ def run_curate(cfg: CurateConfig, *, context=None, engine=None, out: Callable[[s
         samples_per_prompt=cfg.num_samples, counts=rules.count_reasons(drop_reasons),
     )
     _write_pass_rates(output_dir / PASS_RATES_FILE, result)
-    _write_kept(output_dir / KEPT_FILE, [p for p, kept in zip(prompts, result.kept_mask) if kept])
     histograms = _difficulty_histograms(result)
     report = _report(cfg, result, histograms=histograms, policy_source=policy.source)
     atomic_write_text(output_dir / REPORT_FILE, report)
     _plot_pass_rates(output_dir / PLOT_FILE, result, trivial_threshold=cfg.rules.trivial_threshold)
+    if not result.counts["kept"]:
+        # The pass rates, report and plot stay to show why; the shards stay too, so a rerun with
+        # other rules re-applies them without generating.
+        raise nothing_kept_error(cfg, result.counts, max_positions=policy.max_position_embeddings,
+                                 report=output_dir / REPORT_FILE)
+    _write_kept(output_dir / KEPT_FILE, [p for p, kept in zip(prompts, result.kept_mask) if kept])
     timings["outputs_s"] = time.perf_counter() - phase
     timings["total_s"] = time.perf_counter() - started
     manifest = {
@@ -249,6 +262,38 @@ def run_curate(cfg: CurateConfig, *, context=None, engine=None, out: Callable[[s
     atomic_write_text(output_dir / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
     out(f"done in {timings['total_s']:.1f} s: {result.counts['kept']:,} of {result.counts['total']:,} prompts kept")
     return result
+
+
+def nothing_kept_error(cfg: CurateConfig, counts: dict[str, int], *, max_positions: int | None,
+                       report: Path | None = None) -> CurationError:
+    """The error of a curation that keeps no prompt: where the prompts went, and which options to change.
+
+    An empty ``kept.jsonl`` would only fail later, in the RL stage that trains on it (or, worse,
+    in a campaign whose later stages run for hours first).
+    """
+    from pipeline.stages import curate_rules as rules
+
+    screen = counts[rules.REFERENCE_FAILS] + counts[rules.DUPLICATE]
+    difficulty_rules = (rules.TRIVIAL, rules.IMPOSSIBLE, rules.OUTSIDE_HARD_SUBSET)
+    by_difficulty = sum(counts[rule] for rule in difficulty_rules)
+    sampled = counts["total"] - screen - counts[rules.TOO_LONG]
+    context = f"the model's {max_positions:,} positions" if max_positions is not None else "the model's context"
+    fixes = []
+    if counts[rules.TOO_LONG]:
+        fixes.append("lower max_new_tokens or give shorter prompts")
+    if by_difficulty:
+        fixes.append("loosen rules.trivial_threshold, rules.drop_impossible or rules.hard_subset (a rerun with "
+                     "other rules reuses the sampled shards), or raise num_samples")
+    if not fixes:
+        fixes.append("check the sources' reference answers and duplicates (rules.verify_reference, rules.dedup)")
+    details = ", ".join(f"{rule} {counts[rule]:,}" for rule in difficulty_rules)
+    where = f"; counts per rule in {report}" if report is not None else ""
+    return CurationError(
+        f"curation kept 0 of {counts['total']:,} prompts: {sampled:,} sampled, {counts[rules.TOO_LONG]:,} dropped "
+        f"as too long for the context (prompt + max_new_tokens={cfg.max_new_tokens} > {context}), "
+        f"{by_difficulty:,} by the difficulty rules ({details}), {screen:,} by the screen (reference_fails "
+        f"{counts[rules.REFERENCE_FAILS]:,}, duplicate {counts[rules.DUPLICATE]:,}); {'; '.join(fixes)}{where}"
+    )
 
 
 def load_curation(output_dir: str | Path) -> CurationResult:

@@ -5,7 +5,9 @@ such as ``arith?difficulty=3&size=500``; its ``eval.split``, unless the spec nam
 
 1. load the problems (``pipeline.data.load_prompts``) and set aside those whose
    rendered prompt plus ``max_new_tokens`` exceeds the model's context (counted as
-   ``num_too_long``, never generated);
+   ``num_too_long``, never generated). Every benchmark is planned before any generates:
+   one that would skip more than ``eval.max_skipped_fraction`` of its problems is an
+   ``EvaluateError``, since its score would describe a different (shorter) set;
 2. cut the rest, in load order, into shards of ``shard_size`` problems. Shard ``i``
    samples ``n`` responses per problem in one call of the engine ``rollout`` names (the
    local engine, or SGLang servers that load the policy once), seeded by
@@ -77,7 +79,8 @@ _BUCKET_KEYS = ("level", "difficulty")
 
 
 class EvaluateError(UserError):
-    """The output directory holds another evaluation's results, or a shard on disk is stale."""
+    """The output directory holds another evaluation's results, a shard on disk is stale, or a
+    benchmark does not fit the model's context."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,18 @@ def plan_benchmark(spec: str, *, cfg: EvaluateConfig, tokenizer, max_positions: 
     shards = plan_shards(kept, shard_size=cfg.shard_size, seed_of=lambda index: shard_seed(cfg.eval.seed, spec, index),
                          path_of=lambda index: Path(cfg.output_dir) / directory / _SHARD_NAME.format(index=index))
     return BenchmarkPlan(spec, directory, len(prompts), len(prompts) - len(kept), shards)
+
+
+def check_skipped_fraction(plan: BenchmarkPlan, *, cfg: EvaluateConfig, max_positions: int | None) -> None:
+    """Refuse a benchmark that would skip more than ``eval.max_skipped_fraction`` of its problems for length."""
+    limit = cfg.eval.max_skipped_fraction
+    if plan.num_loaded and plan.num_too_long > limit * plan.num_loaded:
+        raise EvaluateError(
+            f"eval.max_skipped_fraction: {plan.spec}: {plan.num_too_long} of {plan.num_loaded} problems "
+            f"({plan.num_too_long / plan.num_loaded:.1%}) do not fit the model's {max_positions} positions with "
+            f"eval.max_new_tokens={cfg.eval.max_new_tokens}, above the allowed {limit:.1%}; lower "
+            "eval.max_new_tokens, or raise eval.max_skipped_fraction to score only the problems that fit"
+        )
 
 
 # ----------------------------------------------------------------------------- shards
@@ -389,11 +404,19 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, engine=None, o
         weights=engine is None and cfg.rollout.engine == "local",
     )
     out(f"policy {policy.source} loaded in {time.perf_counter() - started:.1f} s")
+    load_policy_s = time.perf_counter() - started
+    # Every benchmark is loaded and checked before the output directory is touched or anything generates.
+    plans: dict[str, BenchmarkPlan] = {}
+    for spec in cfg.eval.benchmarks:
+        plans[spec] = plan_benchmark(spec, cfg=cfg, tokenizer=policy.tokenizer,
+                                     max_positions=policy.max_position_embeddings)
+        check_skipped_fraction(plans[spec], cfg=cfg, max_positions=policy.max_position_embeddings)
     manifest = Manifest(output_dir, cfg=cfg, fingerprint=fingerprint(cfg, policy_source=policy.source))
-    manifest.data["timings"]["load_policy_s"] = time.perf_counter() - started
+    manifest.data["timings"]["load_policy_s"] = load_policy_s
+    for plan in plans.values():
+        manifest.add_benchmark(plan)
     manifest.write()
 
-    plans: dict[str, BenchmarkPlan] = {}
     records_by_benchmark: dict[str, list[dict[str, Any]]] = {}
     with ExitStack() as stack:
         pools = [pool] if pool is not None else []
@@ -412,12 +435,7 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, engine=None, o
             stack.callback(sampler.close)
 
         try:
-            for spec in cfg.eval.benchmarks:
-                plan = plan_benchmark(spec, cfg=cfg, tokenizer=policy.tokenizer,
-                                      max_positions=policy.max_position_embeddings)
-                plans[spec] = plan
-                manifest.add_benchmark(plan)
-                manifest.write()
+            for spec, plan in plans.items():
                 if plan.num_too_long:
                     out(f"{spec}: {plan.num_too_long} of {plan.num_loaded} problems exceed the model's context "
                         f"with {cfg.eval.max_new_tokens} new tokens; skipped")

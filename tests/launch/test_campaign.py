@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import BootstrapConfig, CurateConfig, EvaluateConfig, RLConfig
+from pipeline.config import BootstrapConfig, CurateConfig, EvaluateConfig, RLConfig, TrainEstimatorConfig
 from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import (
     CampaignPlan,
@@ -18,6 +18,7 @@ from pipeline.launch.campaign import (
     RolloutServers,
     Stage,
     run_campaign_inprocess,
+    wire_campaign,
 )
 from pipeline.stages.bootstrap import config_hash
 from recipes.campaigns import cpu_campaign, qwen25_math_7b
@@ -149,6 +150,33 @@ def test_hf_campaign_starts_every_stage_from_the_model(tmp_path):
         rl = plan.stage(name)
         assert rl.config.policy == str(tmp_path / "base") and rl.depends_on[0] == "convert"
         assert rl.resources.rollout.model_path == "/m/q7"
+
+
+def _wire(tmp_path, variants: dict[str, RLConfig], **kwargs) -> CampaignPlan:
+    return wire_campaign(name="t", output_dir=tmp_path, curate=CurateConfig(), estimator=TrainEstimatorConfig(),
+                         rl_variants=variants, evaluate=EvaluateConfig(), **kwargs)
+
+
+def test_the_estimator_stage_exists_only_when_a_variant_reads_it(tmp_path):
+    grpo = RLConfig(policy="/m")
+    depo = RLConfig(policy="/m")
+    depo.algorithm.prompt_filter = "depo"
+    one_gpu = Resources(gpus_per_node=1)
+
+    # Nobody filters with DEPO: no estimator is trained, and the resources it would have run on are no error.
+    plan = _wire(tmp_path, {"a": grpo, "b": grpo}, resources={"train-estimator": one_gpu})
+    assert "train-estimator" not in [s.name for s in plan.stages]
+    assert plan.stage("rl-a").depends_on == ("curate",) and plan.stage("rl-b").depends_on == ("curate",)
+    with pytest.raises(ConfigError, match="resources: no stage named 'rl-c'"):  # other names are still checked
+        _wire(tmp_path, {"a": grpo}, resources={"rl-c": one_gpu})
+
+    plan = _wire(tmp_path, {"depo": depo, "grpo": grpo}, resources={"train-estimator": one_gpu})
+    estimator = plan.stage("train-estimator")
+    assert estimator.depends_on == ("curate",) and estimator.resources == one_gpu
+    assert estimator.config.curation_dir == str(tmp_path / "curate")
+    assert plan.stage("rl-depo").depends_on == ("curate", "train-estimator")
+    assert plan.stage("rl-depo").config.algorithm.depo.estimator_dir == str(tmp_path / "estimator" / "estimator")
+    assert plan.stage("rl-grpo").depends_on == ("curate",)
 
 
 def test_status_file_records_attempts_and_times(tmp_path):

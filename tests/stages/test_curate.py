@@ -327,3 +327,41 @@ def test_duplicate_ids_across_sources_are_an_error(policy_dir, extra_source, tmp
         f"sources={json.dumps([extra_source, extra_source])}", f"policy={policy_dir}", f"output_dir={tmp_path}"])
     with pytest.raises(CurationError, match="appears in .* ids must be unique across sources"):
         run_curate(cfg, out=lambda line: None)
+
+
+# ----------------------------------------------------------------------------- nothing kept
+
+
+def test_prompts_that_all_exceed_the_context_are_an_error_before_sampling(policy_dir, extra_source, tmp_path,
+                                                                          monkeypatch):
+    counting = _CountingGenerate(monkeypatch)
+    # With as many new tokens as the model has positions, no prompt fits.
+    cfg = _config(policy_dir, extra_source, tmp_path, f"max_new_tokens={CONTEXT}")
+    message = (rf"curation kept 0 of {NUM_ARITH + 5} prompts: 0 sampled, {NUM_ARITH + 3} dropped as too long for the "
+               rf"context \(prompt \+ max_new_tokens={CONTEXT} > the model's {CONTEXT} positions\), 0 by the "
+               r"difficulty rules .*lower max_new_tokens")
+    with pytest.raises(CurationError, match=message):
+        run_curate(cfg, out=lambda line: None)
+    assert counting.num_calls == 0
+    assert not (tmp_path / KEPT_FILE).exists() and not (tmp_path / MANIFEST_FILE).exists()
+
+
+def test_rules_that_keep_nothing_are_an_error_not_an_empty_file(completed, tmp_path, monkeypatch):
+    import shutil
+
+    cfg, full, _ = completed
+    output_dir = tmp_path / "strict"
+    shutil.copytree(full.output_dir, output_dir)
+    counting = _CountingGenerate(monkeypatch)
+    # No prompt of k = 4 has more than 4 correct: the hard subset [4, 4] keeps only what `trivial` already dropped.
+    strict = configlib.load(CurateConfig, base=cfg, overrides=[f"output_dir={output_dir}", "rules.hard_subset=[4, 4]"])
+    counts = full.counts
+    by_rules = counts["kept"] + counts["trivial"] + counts["impossible"]
+    message = (rf"curation kept 0 of {counts['total']} prompts: 26 sampled, 1 dropped as too long .*, {by_rules} by "
+               rf"the difficulty rules \(trivial {counts['trivial']}, impossible {counts['impossible']}, "
+               rf"outside_hard_subset {counts['kept']}\), 2 by the screen .*rules.hard_subset")
+    with pytest.raises(CurationError, match=message):
+        run_curate(strict, out=lambda line: None)
+    assert counting.num_calls == 0  # the rules re-applied to the stored shards
+    assert not (output_dir / KEPT_FILE).exists() and not (output_dir / MANIFEST_FILE).exists()
+    assert "| **kept** | | **0** |" in (output_dir / REPORT_FILE).read_text()  # the report shows why

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from pipeline.stages.evaluate import (
     EvaluateError,
     benchmark_directory,
     build_results,
+    check_skipped_fraction,
     plan_benchmark,
     run_evaluate,
     shard_seed,
@@ -74,11 +76,12 @@ def pool():
 
 
 def make_config(policy: Path, output_dir: Path, *extra: str) -> EvaluateConfig:
+    # D5 is wholly too long on purpose (how a skipped benchmark is reported), so any fraction may be skipped.
     cfg = configlib.load(EvaluateConfig, overrides=[
         f"output_dir={output_dir}", "template=raw", "shard_size=4", "progress=false",
         f'eval.benchmarks=["{D1}", "{D3}", "{D5}"]', "eval.num_samples=4", "eval.ks=[1,2,4]",
         f"eval.max_new_tokens={MAX_NEW_TOKENS}", "eval.temperature=1.0", "eval.top_p=1.0",
-        "eval.bootstrap_samples=200", *extra,
+        "eval.bootstrap_samples=200", "eval.max_skipped_fraction=1.0", *extra,
     ])
     return dataclasses.replace(cfg, policy=str(policy))
 
@@ -230,6 +233,33 @@ def test_resume_after_a_failed_shard_redoes_only_the_missing_shards(evaluated, h
     again = run_evaluate(make_config(hf_policy, tmp_path, "eval.ks=[1,4]"), out=lambda *_: None)
     assert finished.num_calls == 0
     assert list(again["benchmarks"][D1]["metrics"]) == ["pass@1", "pass@4", "avg@n"]
+
+
+def test_a_benchmark_that_does_not_fit_the_context_is_refused_before_anything_generates(hf_policy, pool, tmp_path,
+                                                                                       monkeypatch):
+    from pipeline.rollout.local import LocalEngine
+
+    counting = CountingGenerate(LocalEngine.generate)
+    monkeypatch.setattr(LocalEngine, "generate", counting)
+    cfg = make_config(hf_policy, tmp_path / "out", "eval.max_skipped_fraction=0.05")
+    message = (rf"eval.max_skipped_fraction: {re.escape(D5)}: 3 of 3 problems \(100.0%\) do not fit the model's "
+               rf"{MAX_POSITIONS} positions with eval.max_new_tokens={MAX_NEW_TOKENS}, above the allowed 5.0%")
+    with pytest.raises(EvaluateError, match=message):
+        run_evaluate(cfg, pool=pool, out=lambda *_: None)
+    # D1 and D3 come first and fit, yet nothing generated and the output directory was not started.
+    assert counting.num_calls == 0 and not (tmp_path / "out").exists()
+
+
+def test_the_skipped_fraction_is_checked_per_benchmark_against_its_limit():
+    cfg = configlib.load(EvaluateConfig, overrides=["eval.max_skipped_fraction=0.1"])
+    check_skipped_fraction(BenchmarkPlan("math", "math", num_loaded=20, num_too_long=2, shards=[]), cfg=cfg,
+                           max_positions=4096)  # exactly the limit
+    with pytest.raises(EvaluateError, match=r"math: 3 of 20 problems \(15.0%\)"):
+        check_skipped_fraction(BenchmarkPlan("math", "math", num_loaded=20, num_too_long=3, shards=[]), cfg=cfg,
+                               max_positions=4096)
+    assert EvaluateConfig().eval.max_skipped_fraction == 0.05
+    with pytest.raises(configlib.ConfigError, match="eval.max_skipped_fraction"):
+        configlib.load(EvaluateConfig, overrides=["eval.max_skipped_fraction=1.5"])
 
 
 def test_a_changed_sampling_config_is_refused_in_the_same_output_dir(evaluated, hf_policy, pool, tmp_path):
