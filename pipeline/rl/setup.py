@@ -66,7 +66,11 @@ class Ledger:
 
 
 class StopRequest:
-    """SIGTERM/SIGUSR1 (SLURM's pre-timeout signal) ask for a checkpoint at the next safe point."""
+    """SIGTERM/SIGUSR1 (SLURM's pre-timeout signal) ask for a checkpoint at the next safe point.
+
+    Each rank hears the signal on its own, at its own moment: ``requested`` is the loop's
+    decision, the same on every rank.
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -81,6 +85,17 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
         self.received = signum
+
+    def requested(self, *, world_size: int) -> bool:
+        """Whether any rank has received a stop signal so far; collective, the same answer on every rank.
+
+        The loop's next steps (skip the weight push, checkpoint, leave) hold collectives, so ranks that
+        decided on their own would wait for each other forever. One all-gather of a bool per call, about
+        a millisecond at 8×H100 (none at one rank).
+        """
+        from pipeline.parallel.rendezvous import all_gather_objects
+
+        return any(all_gather_objects(self.received is not None, world_size=world_size))
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -164,6 +179,9 @@ class Run:
     output_dir: Path
     consecutive_skipped: int = 0  # steps skipped in a row for non-finite gradients
     in_flight: PreparedStep | None = None  # max_staleness=1: the next step's batch, generated ahead
+    # The metrics row of a scored step a stop checkpointed before its weights reached the engine: the
+    # resumed run pushes them, scores the held-out set and logs the row (``pipeline.stages.rl``).
+    row_awaiting_eval: dict[str, Any] | None = None
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """JSON state and tensors of everything but the actor (which the manager saves itself)."""
@@ -180,6 +198,8 @@ class Run:
         in_flight_tensors = {}
         if self.in_flight is not None:
             state["in_flight"], in_flight_tensors = self.in_flight.to_state()
+        if self.row_awaiting_eval is not None:
+            state["row_awaiting_eval"] = dict(self.row_awaiting_eval)
         return state, {**{f"stats.{k}": v for k, v in stats["tensors"].items()}, **sampling_tensors,
                        **in_flight_tensors}
 
@@ -197,6 +217,7 @@ class Run:
                 raise ValueError(f"rollout.max_staleness: the checkpoint holds step {state['in_flight']['step']}'s "
                                  "batch, generated ahead of its update; resume it with rollout.max_staleness=1")
             self.in_flight = PreparedStep.from_state(state["in_flight"], tensors)
+        self.row_awaiting_eval = state.get("row_awaiting_eval")
 
 
 @dataclass(frozen=True, slots=True)

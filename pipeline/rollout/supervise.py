@@ -17,6 +17,13 @@ the ``serve`` role of a campaign's rollout nodes (``pipeline.launch.task.serve``
 * gives a (re)started server ``startup_timeout_s`` to answer its first probe (a 7B server loads
   in one to three minutes), then treats it as hung.
 
+Signals the servers must outlive (``ignored_signals``: the ``serve`` role passes SIGUSR1, which SLURM's
+``--signal=USR1@N`` sends to every process of the job step as the trainer's cue to checkpoint) are
+ignored by the supervising process itself while it supervises, so every server it starts or restarts
+inherits the ignored disposition: exec keeps an ignored signal ignored, where it resets a handler to
+the default action (for SIGUSR1: death). SGLang installs no SIGUSR1 handler of its own, so the
+disposition reaches its scheduler and detokenizer processes too.
+
 Every server is restarted at most ``max_restarts`` times (``rollout.max_server_failures``); its
 next failure retires it: one ``error`` log line, the process group killed, the server left down.
 The trainer's ``SGLangEngine`` sees the same failures from its side, counts them against the
@@ -82,7 +89,9 @@ class Supervisor:
     """Starts, probes, restarts and retires a node's server processes; see the module docstring.
 
     Servers without a URL are not probed: only their exits are seen (no hang detection).
-    ``env``: the servers' environment (None: this process's).
+    ``env``: the servers' environment (None: this process's). ``ignored_signals``: ignored by this
+    process from ``start`` to ``close`` (then restored), hence by every server started or restarted
+    in between; ``start`` must then run in the main thread (Python sets dispositions only there).
     """
 
     def __init__(
@@ -96,6 +105,7 @@ class Supervisor:
         max_failed_probes: int = 6,
         startup_timeout_s: float = 1800.0,
         env: Mapping[str, str] | None = None,
+        ignored_signals: Sequence[int] = (),
     ) -> None:
         if not servers:
             raise ValueError("Supervisor needs at least one server")
@@ -114,6 +124,8 @@ class Supervisor:
         self.max_failed_probes = max_failed_probes
         self.startup_timeout_s = startup_timeout_s
         self.env = dict(env) if env is not None else None
+        self.ignored_signals = tuple(ignored_signals)
+        self._dispositions: dict[int, object] = {}  # what ``start`` replaced, restored by ``close``
         self._pool = ThreadPoolExecutor(max_workers=len(self._servers), thread_name_prefix="probe")
         # No proxy from the environment between a node and its own servers.
         self._client = httpx.Client(trust_env=False, timeout=httpx.Timeout(probe_timeout_s))
@@ -147,11 +159,13 @@ class Supervisor:
     # -------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
+        for sig in self.ignored_signals:
+            self._dispositions.setdefault(sig, signal.signal(sig, signal.SIG_IGN))
         for server in self._servers:
             self._start(server)
 
     def close(self) -> None:
-        """SIGTERM every server's process group, SIGKILL what is left after 60 s."""
+        """SIGTERM every server's process group, SIGKILL what is left after 60 s; restore ``ignored_signals``."""
         for server in self._servers:
             self._signal(server, signal.SIGTERM)
         deadline = time.monotonic() + 60.0
@@ -166,6 +180,10 @@ class Supervisor:
                 server.process.wait()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+        for sig, disposition in self._dispositions.items():
+            if disposition is not None:  # None: set outside Python, which Python cannot set back
+                signal.signal(sig, disposition)
+        self._dispositions.clear()
 
     def __enter__(self) -> Supervisor:
         self.start()

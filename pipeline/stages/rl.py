@@ -16,6 +16,11 @@ With ``rollout.max_staleness=1`` the first two lines change places with the upda
 step takes the batch generated during the previous step, pushes the weights, and starts
 generating the next batch (``StepAhead``) before its own update; the rest is the same loop
 (docs/rl.md, One-step-off-policy rollouts).
+
+A stop (SIGTERM, or SLURM's SIGUSR1 before the time limit) heard by the end of a step's update
+skips that step's weight push and held-out score: the step is checkpointed and the loop ends. The
+resumed run pushes the checkpoint's weights before it generates, then scores the held-out set if
+the stopped step was due to (docs/rl.md, Stopping on a signal).
 """
 
 from __future__ import annotations
@@ -136,10 +141,17 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
     curation = load_curation(cfg.curation_dir) if cfg.curation_dir is not None else None
     run = setup_run(cfg, policy=initial_policy(cfg, context=context), context=context, curation=curation)
     actor, methods, sampling, ledger = run.actor, run.methods, run.sampling, run.ledger
+    # A resumed run's engine gets the checkpoint's weights before anything is generated: the push a stop
+    # skipped (docs/rl.md, Stopping on a signal), or the servers' restart weights.
     sync_actor_to_engine(actor, run.engine, version=run.start_step + 1)
     last: dict[str, float] = {}
     if run.start_step == 0 and run.writer is not None:
         run.writer.log(0, evaluate(run, temperature=cfg.temperature))
+    if run.row_awaiting_eval is not None:  # the stopped step was a scored one: its score, at these weights
+        last = run.row_awaiting_eval | evaluate(run, temperature=cfg.temperature)
+        run.row_awaiting_eval = None
+        if run.writer is not None:
+            run.writer.log(run.start_step, last)
     end_step = cfg.steps if max_steps is None else min(cfg.steps, run.start_step + max_steps)
     bar = tqdm(range(run.start_step, end_step), initial=run.start_step, total=cfg.steps, desc="rl",
                disable=not cfg.logging.progress, unit="step")
@@ -198,7 +210,14 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                             f"(trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}); stopping before the "
                             f"policy is damaged. The last checkpoint holds finite weights; lower optim.lr or check "
                             f"the data")
-                if ahead is None:
+                final = step + 1 == cfg.steps
+                scored = final or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0)
+                # A stop asked for by now is answered before the new weights go anywhere: checkpoint, leave.
+                # Their push (a 7B broadcast, or an export every server reads) would spend the signal's lead
+                # time, and fail or hang on servers that SIGTERM ends; the resumed run pushes the
+                # checkpoint's weights before it generates. The final step finishes as usual.
+                stopping = not final and stop.requested(world_size=run.context.world_size)
+                if ahead is None and not stopping:
                     with timer("sync"):
                         sync_actor_to_engine(actor, run.engine, version=step + 2)
 
@@ -230,21 +249,26 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                                     num_filtered=selected.dropped.numel(), num_candidates=prepared.num_candidates,
                                     mismatch=mismatch, method_metrics=metrics, ledger=ledger.state_dict(),
                                     rollout=rollout, seconds=timer.seconds)
-                final = step + 1 == cfg.steps
-                scored = final or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0)
-                if scored:
+                if scored and stopping:
+                    # Scoring needs these weights on the engine: the resumed run scores and logs the row.
+                    run.row_awaiting_eval = {key: value.item() if hasattr(value, "item") else value
+                                             for key, value in last.items()}
+                elif scored:
                     if ahead is not None:  # score this step's weights, not the ones generating ahead
                         ahead.push(version=step + 2)
                     last.update(evaluate(run, temperature=cfg.temperature))
-                if run.writer is not None and (scored or (step + 1) % cfg.logging.log_every == 0):
+                if run.writer is not None and run.row_awaiting_eval is None and \
+                        (scored or (step + 1) % cfg.logging.log_every == 0):
                     run.writer.log(step + 1, last)
                 bar.set_postfix(reward=f"{last['reward_mean']:.3f}", tok_s=f"{tokens / sum(timer.seconds.values()):,.0f}")
-                if final or (step + 1) % cfg.checkpoint.every_steps == 0 or stop.received or step + 1 == end_step:
+                # A signal heard after the push still stops the run here, after this step's checkpoint.
+                stopping = stopping or (not final and stop.requested(world_size=run.context.world_size))
+                if final or (step + 1) % cfg.checkpoint.every_steps == 0 or stopping or step + 1 == end_step:
                     if ahead is not None:  # the checkpoint holds the next step's batch, complete
                         ahead.collect()
                     state, tensors = run.state()
                     run.checkpoints.save(step + 1, actor=actor, state=state, tensors=tensors)
-                if stop.received:
+                if stopping:
                     break
     finally:
         if ahead is not None:

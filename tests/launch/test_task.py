@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
+import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import fiddle as fdl
@@ -121,6 +125,58 @@ def test_serve_stops_on_this_attempts_marker_only(tmp_path):
     assert task.serve([sleeper], done_marker=marker, token="7:1", poll_s=0.1) == 0
     assert task.serve([[sys.executable, "-c", "raise SystemExit(4)"]], done_marker=marker, token="8:0",
                       poll_s=0.1) == 4
+
+
+# The serve role in a process of its own, over two servers that record their process ids and sleep.
+SERVE_SCRIPT = """
+import sys
+from pathlib import Path
+from pipeline.launch.task import serve
+
+started = sys.argv[1]
+server = [sys.executable, "-c", "import os, sys, time; open(os.path.join(sys.argv[1], str(os.getpid())), 'w'); "
+          "time.sleep(120)", started]
+# min_servers=2: a server dying of the signal would end the role at once (no restart budget).
+sys.exit(serve([server, server], done_marker=Path(sys.argv[2]), token="5:0", poll_s=0.05, min_servers=2))
+"""
+
+
+def _sigusr1_ignored(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    state = next(line for line in status.splitlines() if line.startswith("State:"))
+    assert "zombie" not in state, f"process {pid} died: {state}"
+    mask = next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1]
+    return bool(int(mask, 16) >> (signal.SIGUSR1 - 1) & 1)
+
+
+def test_serve_role_and_its_servers_outlive_sigusr1_and_end_on_the_marker(tmp_path):
+    # SLURM's --signal=USR1@N (without B:) reaches every process of the job step: the serve role and
+    # each server. Their default action would kill them, and srun would then end the trainer's tasks
+    # before the checkpoint the signal asks for.
+    started, marker = tmp_path / "started", tmp_path / "rl.done"
+    started.mkdir()
+    role = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, str(started), str(marker)],
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(started.iterdir())) < 2 and role.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        servers = sorted(int(path.name) for path in started.iterdir())
+        assert len(servers) == 2, (servers, role.poll())
+        for pid in (role.pid, *servers):
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)  # 20 supervision rounds
+        assert role.poll() is None
+        assert all(_sigusr1_ignored(pid) for pid in (role.pid, *servers))
+        assert sorted(int(path.name) for path in started.iterdir()) == servers  # none restarted
+        marker.write_text("5:0\n")
+        assert role.wait(timeout=60) == 0
+    finally:
+        if role.poll() is None:
+            role.kill()
+            role.wait()
+    for pid in servers:  # the role's close ended them
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
 def test_stage_tasks_build_back_to_the_typed_stage(tmp_path):

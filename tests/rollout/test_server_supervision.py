@@ -240,6 +240,44 @@ def test_supervisor_restarts_an_exited_process_within_its_budget(tmp_path):
     assert supervisor.restarts == [2] and supervisor.retired == [True] and supervisor.last_exit == 5
 
 
+def ignores(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig``: bit sig-1 of the ``SigIgn`` mask in ``/proc/<pid>/status``."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    raise AssertionError(f"no SigIgn line for process {pid}")
+
+
+def test_a_restarted_server_still_ignores_sigusr1_and_still_dies_of_sigterm(tmp_path):
+    # A server that exits at its first start and sleeps at its second, recording each start's process id.
+    starts = tmp_path / "starts"
+    script = "\n".join(["import os, sys, time", "first = not os.path.exists(sys.argv[1])",
+                        "with open(sys.argv[1], 'a') as log:", "    log.write(f'{os.getpid()}\\n')",
+                        "sys.exit(3) if first else time.sleep(60)"])
+    supervisor = Supervisor([ServerCommand(command=(sys.executable, "-c", script, str(starts)))], max_restarts=1,
+                            probe_interval_s=0.01, ignored_signals=(signal.SIGUSR1,))
+    before = signal.getsignal(signal.SIGUSR1)
+    with supervisor:
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN  # the supervisor's process too
+        deadline = time.monotonic() + 30
+        while supervisor.restarts != [1] and time.monotonic() < deadline:
+            supervisor.check()
+            time.sleep(0.01)
+        assert supervisor.restarts == [1] and supervisor.last_exit == 3  # the first start exited, once
+        (pid,) = supervisor.pids
+        while (not starts.is_file() or str(pid) not in starts.read_text().split()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ignores(pid, signal.SIGUSR1)  # inherited through the restart's exec
+        os.kill(pid, signal.SIGUSR1)  # what SLURM's --signal=USR1@N sends every process of the step
+        time.sleep(0.3)
+        supervisor.check()
+        assert supervisor.pids == [pid] and supervisor.restarts == [1]
+        os.kill(pid, signal.SIGTERM)  # the end of the job still ends a server
+        while supervisor.num_active and time.monotonic() < deadline:
+            supervisor.check()
+            time.sleep(0.01)
+        assert supervisor.retired == [True] and supervisor.last_exit == -signal.SIGTERM
+    assert signal.getsignal(signal.SIGUSR1) == before  # restored by close
 
 
 def test_serve_role_outlives_a_retired_server_while_min_servers_remain(tmp_path):
