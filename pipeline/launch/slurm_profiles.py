@@ -1,12 +1,14 @@
 """SLURM cluster profiles: one YAML file per cluster in ``slurm/profiles/``.
 
 A profile says where a cluster's jobs go (partition, account), what one node
-offers, the default time limit and container, and how to reach the cluster (a
-local tunnel on a login node or the dev cluster, or SSH to a login node). It
-holds no job shape: nodes and GPUs a job *uses* come from the recipe, bounded by
-the profile. The schema is documented in ``slurm/README.md``; loading goes
-through :mod:`pipeline.configlib`, so unknown keys, wrong types and values out of
-range fail at load with the file and the dotted field in the message.
+offers (CPUs, memory, GPUs, and whether GPU jobs take whole nodes), the default
+time limit and container, and how to reach the cluster (a local tunnel on a login
+node or the dev cluster, or SSH to a login node). It holds no job shape: nodes and
+GPUs a job *uses* come from the recipe, bounded by the profile; the CPUs and
+memory each job asks for follow from both (``pipeline.launch.nemo.job_resources``).
+The schema is documented in ``slurm/README.md``; loading goes through
+:mod:`pipeline.configlib`, so unknown keys, wrong types and values out of range
+fail at load with the file and the dotted field in the message.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ _TIME_FORMS = (
     (re.compile(r"(?P<days>\d+)-(?P<hours>\d+):(?P<minutes>\d+):(?P<seconds>\d+)"), "D-HH:MM:SS"),
 )
 _TIME_FORMATS_HELP = "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+
+# SLURM's memory sizes (sbatch --mem): an integer with an optional K, M, G or T suffix, M when
+# bare; the units are binary (1G = 1024M). Zero means all of a node's memory.
+_MEMORY_SIZE = re.compile(r"(?P<amount>\d+)(?P<unit>[KMGT]?)")
+_KIB_PER_UNIT = {"K": 1, "": 1 << 10, "M": 1 << 10, "G": 1 << 20, "T": 1 << 30}
+WHOLE_NODE_MEMORY = "0"
 
 
 def parse_slurm_time(text: str, *, field: str) -> int:
@@ -61,6 +69,24 @@ def parse_slurm_time(text: str, *, field: str) -> int:
             raise ConfigError(f"{field}: {text!r} is a zero time limit")
         return seconds
     raise ConfigError(f"{field}: {text!r} is not a SLURM time ({_TIME_FORMATS_HELP})")
+
+
+def parse_slurm_memory_mib(text: str, *, field: str) -> int:
+    """MiB in a SLURM memory size (``"1900G"``, ``"512000"``); 0 for ``"0"``, all of a node's memory.
+
+    ConfigError naming ``field`` for anything else (``"2TB"``, ``"1.5T"``, ``"-1"``, lowercase units).
+    """
+    match = _MEMORY_SIZE.fullmatch(text)
+    if match is None:
+        raise ConfigError(f"{field}: {text!r} is not a SLURM memory size (an integer with an optional K, M, G or "
+                          f'T suffix, MiB when bare, e.g. "1900G"; "0" for all of a node\'s memory)')
+    return -(-int(match["amount"]) * _KIB_PER_UNIT[match["unit"]] // 1024)  # K rounds up to whole MiB
+
+
+def format_slurm_memory(mib: int) -> str:
+    """A positive MiB count as an ``sbatch --mem`` value: whole GiB as ``<n>G``, else ``<n>M``."""
+    assert mib > 0, mib
+    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,8 +125,19 @@ class SlurmProfile:
     partition: str = option(help="partition jobs are submitted to (sbatch --partition)")
     account: str | None = option(help="account jobs are charged to (sbatch --account); null: none")
     nodes: int = option(ge=1, help="most nodes one job may use")
-    cpus_per_node: int = option(ge=1, help="CPUs one node offers to a job")
+    cpus_per_node: int = option(
+        ge=1, help="CPUs one node offers to a job, as SLURM counts them (hardware threads where ThreadsPerCore "
+                   "is 2): what a job on all of a node's GPUs asks for (--cpus-per-task)"
+    )
+    mem_per_node: str = option(
+        help='memory one node offers to a job, a SLURM size quoted in YAML ("1900G", "512000" MiB), or "0": all '
+             "of the node's memory (sbatch --mem=0); a size lets a job on part of a node ask for its share"
+    )
     gpus_per_node: int = option(ge=0, help="GPUs one node offers to a job (0: a CPU-only cluster)")
+    exclusive: bool = option(
+        False, help="GPU jobs take whole nodes (sbatch --exclusive, all of a node's CPUs and memory), even a "
+                    "one-GPU job; false: a GPU job asks for its GPUs' share of the node's CPUs and memory"
+    )
     time_limit: str = option(help=f"default wall-clock limit of a job, quoted in YAML ({_TIME_FORMATS_HELP})")
     container_image: str | None = option(help="pyxis container image jobs run in (null: on the host, no pyxis needed)")
     container_mounts: list[str] = option(
@@ -129,12 +166,25 @@ class SlurmProfile:
         if self.account is not None and not self.account.strip():
             raise ConfigError("account: must not be empty; use null for no account")
         parse_slurm_time(self.time_limit, field="time_limit")
+        parse_slurm_memory_mib(self.mem_per_node, field="mem_per_node")
+        if self.exclusive and self.gpus_per_node == 0:
+            raise ConfigError("exclusive: only GPU jobs take whole nodes, and this cluster's nodes have no GPUs "
+                              "(gpus_per_node: 0)")
+        if self.gpus_per_node > 0 and not self.exclusive and self.mem_per_node_mib is None:
+            raise ConfigError('mem_per_node: "0" (all of a node\'s memory) cannot be shared: GPU jobs that share '
+                              "a node (exclusive: false) ask for their GPUs' share of it; give the node's memory "
+                              'as a size (e.g. "1900G") or set exclusive: true')
         if self.container_mounts and self.container_image is None:
             raise ConfigError("container_mounts: given without container_image")
 
     @property
     def time_limit_s(self) -> int:
         return parse_slurm_time(self.time_limit, field="time_limit")
+
+    @property
+    def mem_per_node_mib(self) -> int | None:
+        """A node's memory in MiB, or None when the profile says ``"0"`` (all of it, size unstated)."""
+        return parse_slurm_memory_mib(self.mem_per_node, field="mem_per_node") or None
 
 
 def available_profiles(profiles_dir: Path = PROFILES_DIR) -> list[str]:
@@ -172,6 +222,12 @@ def load_profile(name_or_path: str | Path, *, profiles_dir: Path = PROFILES_DIR)
         raise ConfigError(
             f"{path}: time_limit: got the number {data['time_limit']}; quote SLURM times in YAML "
             f'(time_limit: "4:00:00"): unquoted H:M:S without a leading zero reads as a base-60 integer'
+        )
+    if isinstance(data.get("mem_per_node"), int) and not isinstance(data["mem_per_node"], bool):
+        # A bare YAML number would be MiB to SLURM and GiB to most readers: it must be a quoted size.
+        raise ConfigError(
+            f"{path}: mem_per_node: got the number {data['mem_per_node']}; quote it with its unit "
+            f'(mem_per_node: "1900G"), or "0" for all of a node\'s memory'
         )
     try:
         return from_dict(SlurmProfile, data)

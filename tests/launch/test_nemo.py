@@ -9,21 +9,26 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.config import TrainEstimatorConfig
 from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import CampaignStatus
+from pipeline.launch.campaign import Resources, Stage
 from pipeline.launch.nemo import (
+    CONVERSION_BASE_BYTES,
     EXPERIMENTS_DIR,
     TORCHRUN_SIGNALS,
     ExecutorOverrides,
     LaunchOptions,
     apply_executor_overrides,
+    conversion_memory_bytes,
     follow_slurm_jobs,
+    job_resources,
     launch_campaign,
     requeue_trap,
     stage_script,
 )
 from pipeline.launch.slurm_profiles import TunnelProfile, load_profile
-from recipes.campaigns import cpu_campaign, llama31_8b, qwen25_math_1p5b, qwen25_math_7b
+from recipes.campaigns import cpu_campaign, h100_rl, llama31_8b, qwen25_math_1p5b, qwen25_math_7b
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +44,9 @@ def _h100(tmp_path: Path):
     return dataclasses.replace(profile, tunnel=TunnelProfile(kind="local", job_dir=str(tmp_path / "jobs")))
 
 
-def _dryrun(plan, profile, tmp_path) -> dict[str, tuple[str, str]]:
+def _dryrun(plan, profile, tmp_path, out=lambda _: None) -> dict[str, tuple[str, str]]:
     exp_dir = launch_campaign(plan, options=LaunchOptions(executor="slurm", profile=profile, dryrun=True,
-                                                          experiments_dir=tmp_path / "exp"), out=lambda _: None)
+                                                          experiments_dir=tmp_path / "exp"), out=out)
     return {stage.name: ((exp_dir / f"{stage.name}_sbatch.sh").read_text(),
                          (exp_dir / stage.name / "scripts" / f"{stage.name}.sh").read_text())
             for stage in plan.stages if (exp_dir / f"{stage.name}_sbatch.sh").exists()}
@@ -95,8 +100,16 @@ def test_h100_rl_jobs(tmp_path, recipe, trainer_nodes, rollout_nodes, servers_pe
         rollout_nodes, servers_per_node, server_tp)
 
 
+def _qwen7b_with_depo(output_dir: Path):
+    """The 7B preset with DEPO as the chosen method: its campaign trains the estimator (one GPU)."""
+    rl = h100_rl(model_dir="/models/Qwen2.5-Math-7B", tensor_parallel=4, max_new_tokens=3072,
+                 micro_batch_tokens=8192)
+    return qwen25_math_7b(output_dir=output_dir, rl=dataclasses.replace(
+        rl, algorithm=dataclasses.replace(rl.algorithm, prompt_filter="depo")))
+
+
 def test_h100_single_gpu_stages_and_dependencies(tmp_path):
-    plan = qwen25_math_7b(output_dir=tmp_path / "campaign")
+    plan = _qwen7b_with_depo(tmp_path / "campaign")
     scripts = _dryrun(plan, _h100(tmp_path), tmp_path)
     estimator_flags = _flags(scripts["train-estimator"][0])
     assert (estimator_flags["nodes"], estimator_flags["gpus-per-node"]) == ("1", "1")
@@ -124,6 +137,163 @@ def test_h100_curation_and_evaluation_run_on_the_server_nodes(tmp_path, stage_na
     assert (rollout.nodes, rollout.servers_per_node, rollout.model_path) == (1, 8, "/models/m")
 
 
+# Qwen2.5-Math-7B's config.json, as published (the keys the planner sizes it by, and its dtype).
+QWEN25_MATH_7B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 4096,
+    "vocab_size": 152064, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+QWEN25_MATH_7B_PARAMETERS = 7_615_616_512
+
+
+def _model_dir(tmp_path: Path, config: dict = QWEN25_MATH_7B_CONFIG) -> Path:
+    import json
+
+    folder = tmp_path / "Qwen2.5-Math-7B"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_gpu_jobs_take_the_whole_node_on_an_exclusive_profile(tmp_path):
+    # A node's 8 ranks plus a grading pool, or 8 SGLang servers: never one CPU at the default memory.
+    plan = qwen25_math_7b(output_dir=tmp_path / "campaign", model_dir=str(_model_dir(tmp_path)))
+    scripts = _dryrun(plan, _h100(tmp_path), tmp_path)
+    gpu_stages = [stage.name for stage in plan.stages if stage.resources.gpus_per_node > 0]
+    assert {"rl-default", "rl-grpo", "curate", "evaluate-default"} <= set(gpu_stages)
+    for name in gpu_stages:
+        sbatch = scripts[name][0]
+        flags = _flags(sbatch)
+        assert (flags["cpus-per-task"], flags["mem"], flags["ntasks-per-node"]) == ("112", "0", "1"), name
+        assert "exclusive" in flags, name
+        # srun >= 22.05 does not inherit --cpus-per-task: the script hands it to the step, before srun runs it.
+        assert "\nexport SRUN_CPUS_PER_TASK=112\n" in sbatch, name
+        assert sbatch.index("export SRUN_CPUS_PER_TASK=112") < sbatch.index("srun --output"), name
+
+
+def test_gpu_jobs_that_share_nodes_ask_for_their_gpus_share(tmp_path):
+    profile = dataclasses.replace(_h100(tmp_path), exclusive=False, mem_per_node="2000G")
+    plan = qwen25_math_7b(output_dir=tmp_path / "campaign", model_dir=str(_model_dir(tmp_path)))
+    flags = _flags(_dryrun(plan, profile, tmp_path)["rl-default"][0])
+    assert (flags["cpus-per-task"], flags["mem"]) == ("112", "2000G") and "exclusive" not in flags
+    one_gpu = Stage(name="one", kind="train-estimator", config=TrainEstimatorConfig(),
+                    resources=Resources(gpus_per_node=1))
+    shape = job_resources(one_gpu, plan=plan, profile=profile)
+    assert (shape.cpus_per_task, shape.mem, shape.exclusive) == (14, "250G", False)
+    half = dataclasses.replace(one_gpu, resources=Resources(gpus_per_node=4))
+    assert job_resources(half, plan=plan, profile=profile).mem == "1000G"
+    # The same one-GPU job on whole nodes takes the node.
+    whole = job_resources(one_gpu, plan=plan, profile=_h100(tmp_path))
+    assert (whole.cpus_per_task, whole.mem, whole.exclusive) == (112, "0", True)
+
+
+def test_conversion_memory_formula():
+    # N x (8 + 2w) + 2 GiB: two fp32 copies, the HF weights at their dtype, transients bounded by them.
+    assert conversion_memory_bytes(QWEN25_MATH_7B_PARAMETERS, weight_bytes=2) == (
+        QWEN25_MATH_7B_PARAMETERS * 12 + CONVERSION_BASE_BYTES)
+    assert conversion_memory_bytes(1000, weight_bytes=4) == 16_000 + (2 << 30)
+    for bad in ({"num_parameters": 0, "weight_bytes": 2}, {"num_parameters": 10, "weight_bytes": 3}):
+        with pytest.raises(ValueError):
+            conversion_memory_bytes(**bad)
+
+
+def test_convert_and_export_ask_for_the_memory_the_model_needs(tmp_path):
+    from pipeline.launch.plan import load_model_dims
+
+    model_dir = _model_dir(tmp_path)
+    assert load_model_dims(model_dir).num_parameters() == QWEN25_MATH_7B_PARAMETERS
+    plan = qwen25_math_7b(output_dir=tmp_path / "campaign", model_dir=str(model_dir))
+    notes = []
+    scripts = _dryrun(plan, _h100(tmp_path), tmp_path, out=notes.append)
+    # 7.62e9 x 12 B + 2 GiB = 87.1 GiB, rounded up to whole GiB. export-<v>'s checkpoint does not
+    # exist yet: its size comes from the folder its rl stage's servers load, in bf16 (the preset's dtype).
+    for name in ("convert", "export-default", "export-grpo"):
+        sbatch = scripts[name][0]
+        flags = _flags(sbatch)
+        assert (flags["cpus-per-task"], flags["mem"]) == ("8", "88G"), name
+        assert "exclusive" not in flags and "gpus-per-node" not in flags, name
+        assert "\nexport SRUN_CPUS_PER_TASK=8\n" in sbatch, name
+    assert "7.62 B parameters at 2 B each" in scripts["convert"][0]
+    assert not [note for note in notes if "memory" in note]
+    # An fp32 folder: 16 B per parameter.
+    fp32 = {**QWEN25_MATH_7B_CONFIG, "torch_dtype": "float32"}
+    plan32 = qwen25_math_7b(output_dir=tmp_path / "c32", model_dir=str(_model_dir(tmp_path / "f32", fp32)))
+    expected_gib = -(-(QWEN25_MATH_7B_PARAMETERS * 16 + (2 << 30)) // (1 << 30))
+    assert job_resources(plan32.stage("convert"), plan=plan32, profile=_h100(tmp_path)).mem == f"{expected_gib}G"
+    # The preset exports bf16 whatever the folder's dtype.
+    assert job_resources(plan32.stage("export-default"), plan=plan32, profile=_h100(tmp_path)).mem == "88G"
+
+
+def test_export_of_an_existing_checkpoint_reads_its_manifest(tmp_path):
+    import json
+
+    from pipeline.models.spec import ModelSpec
+
+    plan = qwen25_math_7b(output_dir=tmp_path / "campaign", model_dir="/nonexistent/model")
+    export = plan.stage("export-default")
+    checkpoints = Path(export.config.checkpoint)
+    (checkpoints / "step_00000020").mkdir(parents=True)
+    (checkpoints / "latest").write_text("step_00000020\n")
+    spec = ModelSpec(family="qwen2", vocab_size=152064, hidden_size=3584, ffn_hidden_size=18944, num_layers=28,
+                     num_attention_heads=28, num_query_groups=4, max_position_embeddings=4096, qkv_bias=True)
+    (checkpoints / "step_00000020" / "manifest.json").write_text(json.dumps(
+        {"model_spec": dataclasses.asdict(spec), "hf_dtype": "bfloat16"}))
+    auto = dataclasses.replace(export, config=dataclasses.replace(export.config, dtype="auto"))
+    shape = job_resources(auto, plan=plan, profile=_h100(tmp_path))
+    assert shape.mem == "88G" and f"checkpoint {checkpoints}" in shape.basis  # auto: the recorded bf16
+    fp32 = dataclasses.replace(export, config=dataclasses.replace(export.config, dtype="fp32"))
+    fp32_gib = -(-(QWEN25_MATH_7B_PARAMETERS * 16 + (2 << 30)) // (1 << 30))
+    assert job_resources(fp32, plan=plan, profile=_h100(tmp_path)).mem == f"{fp32_gib}G"
+
+
+def test_a_conversion_of_an_unknown_model_takes_a_nodes_memory(tmp_path):
+    # /models/m does not exist on this machine: nothing says how big the model is.
+    plan = qwen25_math_7b(output_dir=tmp_path / "campaign", model_dir="/models/m")
+    notes = []
+    scripts = _dryrun(plan, _h100(tmp_path), tmp_path, out=notes.append)
+    for name in ("convert", "export-default"):
+        flags = _flags(scripts[name][0])
+        assert (flags["cpus-per-task"], flags["mem"]) == ("8", "0"), name
+        assert any(note.startswith(f"{name}: the model's size cannot be read") for note in notes), notes
+    sized = dataclasses.replace(_h100(tmp_path), exclusive=False, mem_per_node="1500G")
+    assert job_resources(plan.stage("convert"), plan=plan, profile=sized).mem == "1500G"
+
+
+def test_a_conversion_bigger_than_a_node_asks_for_all_of_it(tmp_path):
+    plan = qwen25_math_7b(output_dir=tmp_path / "campaign", model_dir=str(_model_dir(tmp_path)))
+    small = dataclasses.replace(_h100(tmp_path), exclusive=False, mem_per_node="64G", cpus_per_node=4)
+    shape = job_resources(plan.stage("convert"), plan=plan, profile=small)
+    assert (shape.cpus_per_task, shape.mem) == (4, "64G")
+    assert "needs about 88G of memory, more than the profile's mem_per_node 64G" in shape.note
+
+
+def test_cpu_jobs_ask_for_a_cpu_per_rank(tmp_path):
+    profile = load_profile("dev")
+    plan = cpu_campaign(output_dir=tmp_path / "campaign", tiny=True)
+    two = dataclasses.replace(plan.stage("rl-grpo"), resources=dataclasses.replace(
+        plan.stage("rl-grpo").resources, ranks_per_node=2))
+    plan = dataclasses.replace(plan, stages=[two if stage.name == "rl-grpo" else stage for stage in plan.stages])
+    scripts = _dryrun(plan, profile, tmp_path)
+    one, both = _flags(scripts["curate"][0]), _flags(scripts["rl-grpo"][0])
+    assert one["cpus-per-task"] == "1" and "mem" not in one  # part of a "0" node: the cluster's default
+    assert "export SRUN_CPUS_PER_TASK=1\n" in scripts["curate"][0]
+    assert (both["cpus-per-task"], both["mem"]) == ("2", "0")  # every CPU: all of the node
+    assert "export SRUN_CPUS_PER_TASK=2\n" in scripts["rl-grpo"][0]
+    # The export's model is the bootstrap's (its checkpoint does not exist yet): tiny, 2 GiB and change,
+    # on the dev node's 2 CPUs.
+    export = _flags(scripts["export-grpo"][0])
+    assert (export["cpus-per-task"], export["mem"]) == ("2", "3G")
+    assert "stage bootstrap's model config" in scripts["export-grpo"][0]
+    # On a node with a stated size, a CPU job gets its CPUs' share.
+    sized = dataclasses.replace(profile, mem_per_node="8G")
+    assert job_resources(plan.stage("curate"), plan=plan, profile=sized).mem == "4G"
+    # A CPU job on a GPU node may not have more ranks than the node has CPUs.
+    six = dataclasses.replace(two, resources=dataclasses.replace(two.resources, ranks_per_node=6), depends_on=())
+    with pytest.raises(ConfigError, match="ranks_per_node: 6 CPU ranks; the profile's nodes have 4 CPUs"):
+        _dryrun(dataclasses.replace(plan, stages=[six]), dataclasses.replace(_h100(tmp_path), cpus_per_node=4),
+                tmp_path)
+
+
 def test_slurm_dependencies_are_afterok_on_pending_parents(tmp_path, monkeypatch):
     import nemo_run as run
 
@@ -135,11 +305,13 @@ def test_slurm_dependencies_are_afterok_on_pending_parents(tmp_path, monkeypatch
         return original(self, task, *args, name=name, dependencies=dependencies, **kwargs)
 
     monkeypatch.setattr(run.Experiment, "add", spy)
-    plan = qwen25_math_7b(output_dir=tmp_path / "campaign")
+    plan = _qwen7b_with_depo(tmp_path / "campaign")
     CampaignStatus(plan.output_dir).update("curate", "done")  # done before: no dependency on it
     _dryrun(plan, _h100(tmp_path), tmp_path)
     assert "curate" not in added
-    assert added["train-estimator"] == [] and added["rl-default"] == ["convert"]  # trains from the converted policy
+    assert added["train-estimator"] == []
+    # both train from the converted policy; the DEPO variant also reads the estimator
+    assert added["rl-default"] == ["convert", "train-estimator"] and added["rl-grpo"] == ["convert"]
     assert added["evaluate-default"] == ["rl-default"] and added["export-grpo"] == ["rl-grpo"]
 
 

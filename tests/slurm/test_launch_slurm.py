@@ -64,7 +64,7 @@ def _trained_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.timeout(START_BUDGET_S + 600)
-def test_two_rank_rl_stage_runs_under_torchrun(launch_profile_file, bootstrap_cache_dir, tmp_path):
+def test_two_rank_rl_stage_runs_under_torchrun(launch_profile_file, bootstrap_cache_dir, slurm_cluster, tmp_path):
     config = tmp_path / "rl.yaml"
     config.write_text(configlib.dump_yaml(_tiny_rl_config(tmp_path, steps=3, cache=bootstrap_cache_dir)))
     # Overrides on both sides of the options: the order users type them in.
@@ -82,6 +82,11 @@ def test_two_rank_rl_stage_runs_under_torchrun(launch_profile_file, bootstrap_ca
     assert "torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2" in script
     record = CampaignStatus(tmp_path / "launch").read()["rl"]
     assert record["state"] == "done" and int(record["job_id"]) > 0
+    # A CPU per rank for the node's one task, handed on to srun's step (srun >= 22.05 does not inherit it).
+    sbatch = next((tmp_path / "launch" / EXPERIMENTS_DIR).rglob("rl_sbatch.sh")).read_text()
+    assert "#SBATCH --cpus-per-task=2\n" in sbatch and "\nexport SRUN_CPUS_PER_TASK=2\n" in sbatch
+    job = slurm_cluster.job(int(record["job_id"]))
+    assert (job["NumCPUs"], job["CPUs/Task"]) == ("2", "2"), job
 
 
 @pytest.mark.timeout(START_BUDGET_S + 400)

@@ -14,7 +14,9 @@ from pipeline.launch.slurm_profiles import (
     SlurmProfile,
     TunnelProfile,
     available_profiles,
+    format_slurm_memory,
     load_profile,
+    parse_slurm_memory_mib,
     parse_slurm_time,
 )
 
@@ -26,6 +28,7 @@ partition: batch
 account: null
 nodes: 4
 cpus_per_node: 64
+mem_per_node: "1000G"
 gpus_per_node: 8
 time_limit: "04:00:00"
 container_image: null
@@ -47,6 +50,7 @@ def test_dev_profile_loads_by_name_and_by_path() -> None:
         account=None,
         nodes=1,
         cpus_per_node=2,
+        mem_per_node="0",
         gpus_per_node=0,
         time_limit="00:30:00",
         container_image=None,
@@ -69,6 +73,16 @@ def test_dev_profile_matches_what_dev_cluster_sh_starts() -> None:
     state_dir = re.search(r"STATE_DIR=\$\{WINNOW_SLURM_STATE_DIR:-([^}]+)\}", script).group(1)
     assert profile.slurm_conf == f"{state_dir}/slurm.conf"
     # Partition, nodes and CPUs are checked against a running cluster in test_dev_cluster.py.
+    # The node's memory is 90% of whatever this machine has: the profile asks for all of it, not a size.
+    assert "RealMemory=$(node_memory_mb)" in script and "MemTotal" in script
+    assert profile.mem_per_node == "0" and profile.mem_per_node_mib is None
+
+
+def test_every_repository_profile_loads_and_the_h100_example_takes_whole_nodes() -> None:
+    profiles = {name: load_profile(name) for name in available_profiles()}
+    assert {"dev", "h100-example"} <= set(profiles)
+    h100 = profiles["h100-example"]
+    assert (h100.cpus_per_node, h100.mem_per_node, h100.gpus_per_node, h100.exclusive) == (112, "0", 8, True)
 
 
 def test_full_ssh_profile(tmp_path: Path) -> None:
@@ -126,6 +140,18 @@ def test_full_ssh_profile(tmp_path: Path) -> None:
         # YAML 1.1 reads unquoted 4:00:00 (no leading zero) as the base-60 integer 4 * 3600
         ('time_limit: "04:00:00"', "time_limit: 4:00:00", r"time_limit: got the number 14400; quote SLURM times"),
         ('time_limit: "04:00:00"', "time_limit: 240", r"time_limit: got the number 240; quote SLURM times"),
+        # a node's memory: a quoted SLURM size, and "0" only where no job shares a GPU node
+        ('mem_per_node: "1000G"\n', "", r"mem_per_node: required option is missing"),
+        ('mem_per_node: "1000G"', 'mem_per_node: "2TB"', r"mem_per_node: '2TB' is not a SLURM memory size"),
+        ('mem_per_node: "1000G"', 'mem_per_node: "1.5T"', r"mem_per_node: '1\.5T' is not a SLURM memory size"),
+        ('mem_per_node: "1000G"', 'mem_per_node: "1000g"', r"mem_per_node: '1000g' is not a SLURM memory size"),
+        ('mem_per_node: "1000G"', 'mem_per_node: "-1"', r"mem_per_node: '-1' is not a SLURM memory size"),
+        ('mem_per_node: "1000G"', "mem_per_node: 512000", r"mem_per_node: got the number 512000; quote it"),
+        ('mem_per_node: "1000G"', 'mem_per_node: "0"', r'mem_per_node: "0" \(all of a node\'s memory\) cannot be '
+                                                      r"shared: GPU jobs that share a node \(exclusive: false\)"),
+        ("gpus_per_node: 8", "gpus_per_node: 8\nexclusive: yes please", r"exclusive: expected true or false"),
+        ("gpus_per_node: 8", "gpus_per_node: 0\nexclusive: true", r"exclusive: only GPU jobs take whole nodes, "
+                                                                   r"and this cluster's nodes have no GPUs"),
     ],
 )
 def test_bad_profile_names_file_and_field(tmp_path: Path, old: str, new: str, message: str) -> None:
@@ -141,6 +167,32 @@ def test_valid_fixture_itself_loads(tmp_path: Path) -> None:
     # Guards the parametrized cases above: each fails only because of its edit.
     profile = load_profile(write(tmp_path, VALID))
     assert (profile.partition, profile.nodes, profile.gpus_per_node, profile.tunnel.kind) == ("batch", 4, 8, "local")
+
+
+@pytest.mark.parametrize(
+    "text, exclusive, mib",
+    [
+        ('"0"', "true", None),  # all of a node's memory, on whole-node GPU jobs
+        ('"1000G"', "false", 1000 * 1024),
+        ('"512000"', "false", 512000),  # bare: MiB, as sbatch reads it
+        ('"2T"', "false", 2 * 1024 * 1024),
+        ('"1025K"', "false", 2),  # K rounds up to whole MiB
+    ],
+)
+def test_node_memory_and_exclusive(tmp_path: Path, text: str, exclusive: str, mib: int | None) -> None:
+    profile = load_profile(write(tmp_path, VALID.replace('"1000G"', text) + f"exclusive: {exclusive}\n"))
+    assert (profile.mem_per_node, profile.mem_per_node_mib, profile.exclusive) == (
+        text.strip('"'), mib, exclusive == "true")
+
+
+def test_exclusive_defaults_to_shared_nodes(tmp_path: Path) -> None:
+    assert load_profile(write(tmp_path, VALID)).exclusive is False
+
+
+@pytest.mark.parametrize("mib, text", [(1024, "1G"), (88 * 1024, "88G"), (1536, "1536M"), (1, "1M")])
+def test_memory_sizes_render_for_sbatch(mib: int, text: str) -> None:
+    assert format_slurm_memory(mib) == text
+    assert parse_slurm_memory_mib(text, field="mem") == mib
 
 
 def test_missing_profile_names_path_and_lists_known(tmp_path: Path) -> None:
