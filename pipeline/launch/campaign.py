@@ -110,6 +110,23 @@ class RolloutServers:
                    "whose policy is usually a checkpoint, needs one"
     )
     startup_timeout_s: float = option(1800.0, gt=0, help="how long the trainer waits for every server's /health")
+    server: Literal["sglang", "standin"] = option(
+        "sglang", help="the server program: SGLang, or winnow's CPU stand-in for it (`python -m "
+                       "pipeline.cli.standin`, what a rehearsal runs: same command line and HTTP protocol)"
+    )
+    colocated: bool = option(
+        False, help="the servers run on the trainer's first node beside its ranks, on the GPUs after the "
+                    "trainer's (a node shared by trainer and servers, or a one-node rehearsal); needs nodes=1"
+    )
+
+    def __post_init__(self) -> None:
+        if self.colocated and self.nodes != 1:
+            raise ConfigError(f"rollout.nodes: co-located servers run on the trainer's first node; got "
+                              f"nodes={self.nodes}")
+
+
+# `RolloutServers.server` → the module its servers run as (`python -m MODULE` with SGLang's flags).
+SERVER_MODULES = {"sglang": "sglang.launch_server", "standin": "pipeline.cli.standin"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,7 +151,7 @@ class Resources:
 
     @property
     def total_nodes(self) -> int:
-        return self.nodes + (self.rollout.nodes if self.rollout else 0)
+        return self.nodes + (self.rollout.nodes if self.rollout and not self.rollout.colocated else 0)
 
 
 def job_exit(code: int, *, restarts: int, requeues: int) -> tuple[bool, int]:

@@ -16,6 +16,12 @@ itself cancels the dependents of a failed stage, also after the launcher has gon
 from ``latest`` when the job restarts; the lead is the planner's estimate of one checkpoint
 write, at least the profile's ``signal_s`` (:func:`signal_lead_s`).
 
+CPUs and memory (:func:`job_resources`): a GPU job asks for its GPUs' share of a node's CPUs and
+memory, all of them on a profile whose GPU jobs take whole nodes (``--exclusive``); a CPU job
+for one CPU per rank; ``convert`` and ``export`` for :data:`CONVERSION_CPUS` CPUs and the memory
+the model's size needs (:func:`conversion_memory_bytes`). srun (SLURM 22.05 and later) does not
+inherit sbatch's ``--cpus-per-task``, so the script exports ``SRUN_CPUS_PER_TASK`` to its step.
+
 Requeue: the sbatch script, not nemo-run's retry loop (which requeues every non-zero exit),
 decides. After srun returns, :func:`requeue_trap` applies
 :func:`pipeline.launch.campaign.job_exit`: success and a user error (2) end the job, any
@@ -27,6 +33,7 @@ preemption) never requeues: SLURM's own policy applies then.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 import subprocess
@@ -51,7 +58,7 @@ from pipeline.launch.campaign import (
     Stage,
     unfinished_dependency,
 )
-from pipeline.launch.slurm_profiles import SlurmProfile, parse_slurm_time
+from pipeline.launch.slurm_profiles import WHOLE_NODE_MEMORY, SlurmProfile, format_slurm_memory, parse_slurm_time
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS_DIR = "launch"  # nemo-run's experiment folders inside a campaign's output directory
@@ -122,7 +129,15 @@ def stage_script(plan: CampaignPlan, stage: Stage, *, python: str, workdir: str 
         f"cd {quote(str(workdir))}",
         f"export PYTHONPATH={quote(str(workdir))}${{PYTHONPATH:+:$PYTHONPATH}}",
     ]
-    if resources.rollout is not None:
+    if resources.rollout is not None and resources.rollout.colocated:
+        serve = " ".join(quote(arg) for arg in [*task, "serve", *where])
+        lines += [
+            "# the rollout servers share the first node: started beside the node role, they end with it",
+            'if [ "${SLURM_NODEID:-0}" -eq 0 ]; then',
+            f"  {serve} &",
+            "fi",
+        ]
+    elif resources.rollout is not None:
         lines += [
             f"# nodes {resources.nodes}..{resources.total_nodes - 1} of the job serve rollouts (SGLang)",
             f'if [ "${{SLURM_NODEID:-0}}" -ge {resources.nodes} ]; then',
@@ -181,6 +196,236 @@ winnow_job_exit() {{
 trap winnow_job_exit EXIT"""
 
 
+# ================================================================ CPUs and memory of a job
+
+# The stages that convert a whole model on one process (hf-to-megatron, megatron-to-hf), each
+# with its logit gate: CPU jobs whose memory follows the model's size.
+CONVERSION_KINDS = ("convert", "export")
+# CPUs of a conversion job (fewer on a node with fewer): torch's intra-op threads for the fp32
+# casts and the logit gate's forward passes, megatron's checkpoint file writers. More would
+# wait on the shared filesystem, which bounds reading and writing the weights.
+CONVERSION_CPUS = 8
+# Memory of a conversion beyond its per-parameter terms: the interpreter with torch,
+# megatron-core and transformers (0.4 GiB on CPU, more with a container's CUDA libraries).
+CONVERSION_BASE_BYTES = 2 << 30
+# Bytes per parameter of weights stored at a Hugging Face torch_dtype.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+EXPORT_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def conversion_memory_bytes(num_parameters: int, *, weight_bytes: int) -> int:
+    """Host memory a ``convert`` or ``export`` job asks for: ``N × (8 + 2·w) + 2 GiB``.
+
+    ``N`` parameters, ``w`` bytes per parameter of the Hugging Face weights (2 for bf16, 4 for
+    fp32): the folder ``convert`` reads, the folder ``export`` writes. Per parameter:
+
+    * 4 B: the unsplit megatron model in fp32, which the conversion builds and its gate runs;
+    * 4 B: a second fp32 copy: what megatron's dist-checkpoint save or load stages, or the fp32
+      model transformers loads for the logit gate;
+    * w B: the Hugging Face weights at their dtype: read (``convert``), or written and read back
+      by the gate (``export``), through the page cache that counts against the job's limit;
+    * w B: what is held briefly, bounded by the model at that dtype: one export shard buffered
+      before it is written (at most 5 GB), one tensor cast at a time (Qwen2.5-7B's embedding in
+      fp32: 2.2 GB);
+
+    plus :data:`CONVERSION_BASE_BYTES`. An upper bound, not a measurement: the terms are
+    counted as if alive together, although each conversion frees one model before it loads the
+    next and the page cache is reclaimable: host memory is plentiful on the nodes that run these
+    jobs (2 TB on an 8×H100 node), and too little ends the job in an OOM kill. Qwen2.5-Math-7B
+    (7.62 B parameters, bf16): 12 B per parameter, 85.1 GiB + 2 GiB, an 88 GiB request.
+    """
+    if num_parameters < 1 or weight_bytes not in (2, 4):
+        raise ValueError(f"num_parameters {num_parameters} must be positive and weight_bytes {weight_bytes} 2 or 4")
+    return num_parameters * (8 + 2 * weight_bytes) + CONVERSION_BASE_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class ConversionModel:
+    """The model a conversion stage converts, as far as the launcher can read it before the job runs."""
+
+    num_parameters: int
+    weight_bytes: int  # bytes per parameter of the Hugging Face side (see conversion_memory_bytes)
+    source: str  # where its size was read: a config.json, a checkpoint manifest, a bootstrap config
+
+
+def _hf_folder_model(path: Path) -> tuple[int, int] | None:
+    """(parameters, bytes per parameter at the folder's torch_dtype) of a readable config.json, else None."""
+    from pipeline.launch.plan import load_model_dims
+
+    config = path / "config.json" if path.is_dir() else path
+    if not config.is_file():
+        return None
+    try:
+        dims = load_model_dims(config)
+        data = json.loads(config.read_text())
+    except (ValueError, OSError):  # not a model config after all, or one the planner cannot size
+        return None
+    # Newer transformers write `dtype`, older `torch_dtype`; absent, the weights count as fp32.
+    dtype = data.get("dtype") or data.get("torch_dtype")
+    return dims.num_parameters(), DTYPE_BYTES.get(str(dtype), 4)
+
+
+def _checkpoint_model(path: Path) -> tuple[int, int | None] | None:
+    """(parameters, bytes per parameter of the HF dtype it came from, if recorded) of a winnow checkpoint.
+
+    Reads the manifest of ``path`` or of the step its ``latest`` names, without verifying the
+    checkpoint's files (``resolve_checkpoint`` would hash every weight file at launch).
+    """
+    from pipeline.launch.plan import ModelDims
+    from pipeline.models.spec import ModelSpec
+
+    step_dir = path
+    if not (step_dir / "manifest.json").is_file() and (path / "latest").is_file():
+        step_dir = path / (path / "latest").read_text().strip()
+    try:
+        manifest = json.loads((step_dir / "manifest.json").read_text())
+        dims = ModelDims.from_spec(ModelSpec(**manifest["model_spec"]))
+    except (OSError, ValueError, KeyError, TypeError):  # no checkpoint (yet), or a malformed one
+        return None
+    return dims.num_parameters(), DTYPE_BYTES.get(manifest.get("hf_dtype"))
+
+
+def _bootstrap_model(cfg: Any) -> int:
+    """Parameters of the policy a bootstrap stage trains (vocabulary rounded up to its multiple)."""
+    from pipeline.launch.plan import ModelDims
+    from pipeline.models.spec import ModelSpec
+
+    model = cfg.model
+    vocab = -(-cfg.vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
+    spec = ModelSpec(family=model.family, vocab_size=vocab, hidden_size=model.hidden_size,
+                     ffn_hidden_size=model.ffn_hidden_size, num_layers=model.num_layers,
+                     num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+                     max_position_embeddings=model.max_position_embeddings, qkv_bias=model.family == "qwen2",
+                     tie_embeddings=model.tie_embeddings)
+    return ModelDims.from_spec(spec).num_parameters()
+
+
+def conversion_model(stage: Stage, plan: CampaignPlan) -> ConversionModel | None:
+    """The size of the model a ``convert`` or ``export`` stage converts, or None when nothing says.
+
+    ``convert``: its Hugging Face folder's ``config.json``. ``export``: its checkpoint's manifest
+    when it exists (a relaunch), else the stages it depends on, nearest first: the Hugging Face
+    folder a ``convert`` stage reads, an rl, curate or evaluate stage's policy or its servers'
+    ``model_path`` (a folder of the same architecture), a bootstrap stage's model config. The
+    bytes per parameter are the export's ``dtype``; ``auto`` (the dtype of the HF model the run
+    came from, else fp32) takes the dtype of the folder or manifest found, else fp32.
+    """
+    if stage.kind == "convert":
+        found = _hf_folder_model(Path(stage.config.hf))
+        return ConversionModel(num_parameters=found[0], weight_bytes=found[1],
+                               source=f"{stage.config.hf}/config.json") if found else None
+    export_bytes = EXPORT_DTYPE_BYTES.get(stage.config.dtype)  # None: auto
+
+    def found(num_parameters: int, source_bytes: int | None, source: str) -> ConversionModel:
+        return ConversionModel(num_parameters=num_parameters, weight_bytes=export_bytes or source_bytes or 4,
+                               source=source)
+
+    checkpoint = _checkpoint_model(Path(stage.config.checkpoint))
+    if checkpoint is not None:
+        return found(*checkpoint, f"checkpoint {stage.config.checkpoint}")
+    by_name = {candidate.name: candidate for candidate in plan.stages}
+    queue, seen = list(stage.depends_on), set(stage.depends_on)
+    while queue:
+        ancestor = by_name.get(queue.pop(0))
+        if ancestor is None:
+            continue
+        cfg, rollout = ancestor.config, ancestor.resources.rollout
+        if ancestor.kind == "bootstrap":
+            return found(_bootstrap_model(cfg), None, f"stage {ancestor.name}'s model config")
+        paths = [cfg.hf] if ancestor.kind == "convert" else [getattr(cfg, "policy", None),
+                                                             rollout.model_path if rollout else None]
+        for path in filter(None, paths):
+            hf = _hf_folder_model(Path(path))
+            if hf is not None:
+                return found(*hf, f"stage {ancestor.name}'s {path}/config.json")
+            checkpoint = _checkpoint_model(Path(path))
+            if checkpoint is not None:
+                return found(*checkpoint, f"stage {ancestor.name}'s checkpoint {path}")
+        for parent in ancestor.depends_on:
+            if parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class JobResources:
+    """What one stage's job asks for on each of its nodes, beyond its nodes and GPUs."""
+
+    cpus_per_task: int  # one task per node: the node's CPUs for the job
+    mem: str | None  # sbatch --mem (per node): "0" all of it, a SLURM size, None the cluster's default
+    exclusive: bool
+    basis: str  # one line: how these were chosen (a comment in the sbatch script)
+    note: str | None = None  # printed at submission when the request is a fallback
+
+
+def job_resources(stage: Stage, *, plan: CampaignPlan, profile: SlurmProfile) -> JobResources:
+    """CPUs, memory and ``--exclusive`` of a stage's job on the profile's nodes (table in docs/launching.md).
+
+    * A GPU job (trainer and rollout nodes, and any stage given GPUs): on a profile whose GPU
+      jobs take whole nodes (``exclusive``), all of a node's CPUs and memory; else its GPUs'
+      share of them (4 of 8 GPUs: half the CPUs and half of ``mem_per_node``). A trainer node
+      runs 8 ranks and a grading pool, a rollout node 8 SGLang servers: one CPU would run them all.
+    * ``convert`` and ``export``: :data:`CONVERSION_CPUS` CPUs and :func:`conversion_memory_bytes`
+      of the model :func:`conversion_model` finds, at most a node's memory; all of it when the
+      model cannot be read before the job runs.
+    * Any other CPU job: one CPU per rank (the node role and its torchrun ranks), their share of
+      ``mem_per_node`` (the cluster's default memory when that is ``"0"`` and the job does not
+      take every CPU).
+    """
+    resources = stage.resources
+    node_mib = profile.mem_per_node_mib  # None: "0", size unstated
+
+    def share(fraction: float) -> str | None:
+        if fraction >= 1:
+            return profile.mem_per_node
+        return format_slurm_memory(max(1, int(node_mib * fraction))) if node_mib is not None else None
+
+    if resources.gpus_per_node > 0:
+        if profile.exclusive:
+            return JobResources(cpus_per_task=profile.cpus_per_node, mem=profile.mem_per_node, exclusive=True,
+                                basis="GPU job on whole nodes (the profile's exclusive): all of a node's CPUs "
+                                      "and memory")
+        fraction = resources.gpus_per_node / profile.gpus_per_node
+        return JobResources(cpus_per_task=max(1, profile.cpus_per_node * resources.gpus_per_node
+                                              // profile.gpus_per_node),
+                            mem=share(fraction), exclusive=False,
+                            basis=f"GPU job on {resources.gpus_per_node} of a node's {profile.gpus_per_node} GPUs: "
+                                  "that share of its CPUs and memory")
+    if stage.kind in CONVERSION_KINDS:
+        cpus = min(CONVERSION_CPUS, profile.cpus_per_node)
+        model = conversion_model(stage, plan)
+        if model is None:
+            return JobResources(
+                cpus_per_task=cpus, mem=profile.mem_per_node, exclusive=False,
+                basis=f"{stage.kind} of a model whose size is unknown at launch: all of a node's memory",
+                note=f"{stage.name}: the model's size cannot be read before the job runs (no config.json or "
+                     "checkpoint manifest among its inputs); the job asks for all of a node's memory")
+        wanted_bytes = conversion_memory_bytes(model.num_parameters, weight_bytes=model.weight_bytes)
+        wanted_mib = -(-wanted_bytes // (1 << 30)) * 1024  # whole GiB, rounded up
+        basis = (f"{stage.kind} of {model.num_parameters / 1e9:.2f} B parameters at {model.weight_bytes} B each, "
+                 f"from {model.source}: N x (8 + 2w) B + 2 GiB")
+        if node_mib is not None and wanted_mib > node_mib:
+            return JobResources(
+                cpus_per_task=cpus, mem=profile.mem_per_node, exclusive=False, basis=basis + ", above a node's",
+                note=f"{stage.name}: the conversion needs about {format_slurm_memory(wanted_mib)} of memory, more "
+                     f"than the profile's mem_per_node {profile.mem_per_node}; the job asks for all of a node's")
+        return JobResources(cpus_per_task=cpus, mem=format_slurm_memory(wanted_mib), exclusive=False, basis=basis)
+    cpus = resources.ranks_per_node
+    return JobResources(cpus_per_task=cpus, mem=share(cpus / profile.cpus_per_node), exclusive=False,
+                        basis=f"CPU job of {cpus} rank(s) per node: a CPU each")
+
+
+def srun_cpus_line(cpus_per_task: int) -> str:
+    """The sbatch script's export that gives srun's task the job's CPUs.
+
+    srun has not inherited sbatch's ``--cpus-per-task`` since SLURM 22.05: without it the
+    step's one task per node gets one CPU, and every rank, grading worker or SGLang server of
+    that node shares it.
+    """
+    return f"export SRUN_CPUS_PER_TASK={cpus_per_task}"
+
+
 # ================================================================ executors
 
 
@@ -225,8 +470,12 @@ def local_executor():
     return run.LocalExecutor()
 
 
-def slurm_executor(stage: Stage, *, profile: SlurmProfile, plan_name: str, experiments_dir: Path):
+def slurm_executor(stage: Stage, *, plan: CampaignPlan, profile: SlurmProfile, experiments_dir: Path,
+                   out: Callable[[str], Any] = print):
     """A SlurmExecutor for one stage's job, bounded by what the profile's nodes offer.
+
+    Its CPUs, memory and ``--exclusive`` are :func:`job_resources`'s; ``out`` gets the note of
+    a fallback (a conversion whose model's size is unknown at launch).
 
     A local tunnel submits the scripts nemo-run writes under ``experiments_dir`` as they
     are (nothing is copied: the launcher and the nodes share that filesystem). Its
@@ -244,6 +493,9 @@ def slurm_executor(stage: Stage, *, profile: SlurmProfile, plan_name: str, exper
     if resources.ranks_per_node > max(profile.cpus_per_node, profile.gpus_per_node):
         raise ConfigError(f"stages.{stage.name}.resources.ranks_per_node: {resources.ranks_per_node} exceeds the "
                           f"profile's {profile.cpus_per_node} CPUs and {profile.gpus_per_node} GPUs per node")
+    if resources.gpus_per_node == 0 and resources.ranks_per_node > profile.cpus_per_node:
+        raise ConfigError(f"stages.{stage.name}.resources.ranks_per_node: {resources.ranks_per_node} CPU ranks; "
+                          f"the profile's nodes have {profile.cpus_per_node} CPUs")
     time_limit = resources.time_limit or profile.time_limit
     lead_s = signal_lead_s(stage, profile=profile) if stage.kind == "rl" else None
     if lead_s is not None and lead_s >= parse_slurm_time(time_limit, field="time_limit"):
@@ -253,16 +505,24 @@ def slurm_executor(stage: Stage, *, profile: SlurmProfile, plan_name: str, exper
     additional: dict[str, Any] = {"kill_on_invalid_dep": "yes"}
     if resources.requeues:
         additional["requeue"] = True  # scontrol requeue refuses a job that is not requeueable
-    if profile.gpus_per_node == 0:
-        # CPU clusters: each trainer rank gets its cores (the one task per node runs them all).
-        additional["cpus_per_task"] = resources.ranks_per_node
+    shape = job_resources(stage, plan=plan, profile=profile)
+    if shape.note is not None:
+        out(shape.note)
+    memory = {None: "the cluster's default memory", WHOLE_NODE_MEMORY: "all of a node's memory"}.get(
+        shape.mem, f"{shape.mem} of memory")
+    setup = [f"# resources per node: {shape.cpus_per_task} CPUs, {memory}{', exclusive' if shape.exclusive else ''}"
+             f" ({shape.basis})",
+             srun_cpus_line(shape.cpus_per_task), SLURM_SETUP_LINES, requeue_trap(resources.requeues)]
     executor = run.SlurmExecutor(
         account=profile.account or "",
         partition=profile.partition,
-        job_name_prefix=f"winnow-{plan_name}-",
+        job_name_prefix=f"winnow-{plan.name}-",
         time=time_limit,
         nodes=resources.total_nodes,
         ntasks_per_node=1,  # the node role starts the node's ranks itself
+        cpus_per_task=shape.cpus_per_task,
+        mem=shape.mem,
+        exclusive=shape.exclusive or None,
         gpus_per_node=resources.gpus_per_node or None,
         container_image=profile.container_image,
         container_mounts=list(profile.container_mounts),
@@ -270,7 +530,7 @@ def slurm_executor(stage: Stage, *, profile: SlurmProfile, plan_name: str, exper
         srun_args=list(profile.srun_args) or None,
         signal=f"USR1@{lead_s}" if lead_s is not None else None,
         additional_parameters=additional,
-        setup_lines=SLURM_SETUP_LINES + "\n" + requeue_trap(resources.requeues),
+        setup_lines="\n".join(setup),
         retries=0,  # nemo-run's script would requeue every failure, user errors included
         tunnel=run.LocalTunnel(job_dir=str(experiments_dir / "experiments"))
         if profile.tunnel.kind == "local" else run.SSHTunnel(
@@ -387,8 +647,8 @@ def _launch_slurm(plan, pending: list[Stage], *, skipped, options, experiments_d
             # Done parents need no dependency: their outputs are already there.
             parents = [handles[dep] for dep in stage.depends_on if dep in pending_names]
             handles[stage.name] = exp.add(_task(plan, stage, options), name=stage.name, dependencies=parents,
-                                          executor=slurm_executor(stage, profile=profile, plan_name=plan.name,
-                                                                  experiments_dir=experiments_dir))
+                                          executor=slurm_executor(stage, plan=plan, profile=profile,
+                                                                  experiments_dir=experiments_dir, out=out))
         if options.dryrun:
             exp.dryrun(log=False, delete_exp_dir=False)
             return Path(exp._exp_dir)

@@ -21,7 +21,9 @@ writes, which calls one of three roles:
   (``pipeline.rollout.supervise``: a dead or hung server is restarted, one that fails past
   ``rollout.max_server_failures`` retired) until the first trainer node marks the attempt
   finished. Servers serve rl, curate and evaluate stages alike; the stage's ``rollout`` block
-  is pointed at them (``with_servers``).
+  is pointed at them (``with_servers``). The role and its servers ignore SIGUSR1 (SLURM's
+  time-limit warning reaches every process of the step; it asks the trainer for a checkpoint),
+  and die of SIGTERM, the end of the job.
 
 The plan (``campaign.json``) and status file live in the campaign directory on a
 filesystem every node shares.
@@ -86,7 +88,7 @@ def rollout_urls(stage: Stage, *, hosts: Sequence[str]) -> list[str]:
     """URLs of the SGLang servers: rollout nodes come after the trainer nodes in the job's node list."""
     rollout = stage.resources.rollout
     assert rollout is not None
-    first = stage.resources.nodes
+    first = 0 if rollout.colocated else stage.resources.nodes  # co-located: on the trainer's first node
     rollout_hosts = list(hosts[first : first + rollout.nodes])
     if len(rollout_hosts) != rollout.nodes:
         raise RuntimeError(f"{NODES_ENV}: {len(hosts)} hosts; stage {stage.name} needs {stage.resources.nodes} "
@@ -100,19 +102,23 @@ def sglang_server_commands(stage: Stage, *, host: str, python: str = sys.executa
 
     Servers bind ``host``, the node's own name — the address in the URLs the trainer
     uses — not every interface: SGLang's admin endpoints (weight loading, memory release)
-    have no authentication.
+    have no authentication. Co-located servers take the GPUs after the trainer's ranks.
+    ``rollout.server`` picks the program (SGLang, or the CPU stand-in of a rehearsal).
     """
+    from pipeline.launch.campaign import SERVER_MODULES
+
     rollout = stage.resources.rollout
     assert rollout is not None
     cfg = stage.config
     # The servers' own HF folder when the trainer's policy is its converted checkpoint.
     model_path = rollout.model_path or cfg.policy
     tokenizer = rollout.model_path or cfg.tokenizer or cfg.policy
+    first_gpu = stage.resources.ranks_per_node if rollout.colocated else 0
     return [
-        [python, "-m", "sglang.launch_server", "--model-path", model_path,
+        [python, "-m", SERVER_MODULES[rollout.server], "--model-path", model_path,
          "--tokenizer-path", tokenizer, "--host", host, "--port", str(rollout.port + index),
-         "--tp-size", str(rollout.tensor_parallel), "--base-gpu-id", str(index * rollout.tensor_parallel),
-         *rollout.extra_args]
+         "--tp-size", str(rollout.tensor_parallel),
+         "--base-gpu-id", str(first_gpu + index * rollout.tensor_parallel), *rollout.extra_args]
         for index in range(rollout.servers_per_node)
     ]
 
@@ -146,6 +152,12 @@ def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, p
     ends the trainer too, and the job fails or is requeued), only once this node's remaining
     servers plus the ``servers_elsewhere`` of the other rollout nodes are below ``min_servers``:
     the trainer cannot go on then either. Else 0.
+
+    SIGUSR1 is ignored by this process and every server it starts or restarts, always: it means
+    nothing to a server, and SLURM's ``--signal=USR1@N`` (the trainer's cue to checkpoint) reaches
+    every process of the job step. Its default action would kill them, srun's --kill-on-bad-exit
+    would end the trainer's tasks, and the checkpoint it asks for would never be written. Ignoring it
+    run by hand too keeps the role the same in and out of SLURM. SIGTERM keeps its default action.
     """
     from pipeline.rollout.supervise import ServerCommand, Supervisor
 
@@ -154,7 +166,7 @@ def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, p
         raise ValueError(f"{len(commands)} server commands but {len(addresses)} URLs")
     supervisor = Supervisor([ServerCommand(command=tuple(c), url=u) for c, u in zip(commands, addresses)],
                             max_restarts=max_restarts, probe_timeout_s=health_timeout_s, probe_interval_s=poll_s,
-                            startup_timeout_s=startup_timeout_s)
+                            startup_timeout_s=startup_timeout_s, ignored_signals=(signal.SIGUSR1,))
     with supervisor:
         while not (done_marker.is_file() and done_marker.read_text().strip() == token):
             started = time.monotonic()
@@ -232,7 +244,8 @@ def run_node(plan: CampaignPlan, stage: Stage, *, launcher: Sequence[str]) -> in
     with _Signals() as signals:
         try:
             if stage.resources.rollout is not None:
-                urls = rollout_urls(stage, hosts=os.environ.get(NODES_ENV, "").split())
+                # Outside SLURM (NeMo-Run's local executor) this machine is the job's only node.
+                urls = rollout_urls(stage, hosts=os.environ.get(NODES_ENV, "").split() or [socket.gethostname()])
                 print(f"waiting for rollout servers: {', '.join(urls)}", flush=True)
                 wait_for_servers(urls, timeout_s=stage.resources.rollout.startup_timeout_s)
                 os.environ[SERVERS_ENV] = ",".join(urls)
@@ -360,6 +373,10 @@ def run_role(role: str, *, campaign_dir: str, stage_name: str, launcher: Sequenc
         servers = stage.resources.rollout
         assert servers is not None
         rollout = stage.config.rollout
+        if servers.colocated:
+            # Started in the background by the first node's script, which then becomes the node role:
+            # the servers go with it (a kill -9 of the node role leaves no server behind).
+            exit_with_parent(parent_pid=None)
         return serve(sglang_server_commands(stage, host=host), done_marker=_done_marker(plan, stage),
                      token=_attempt_token(),
                      urls=[f"http://{host}:{servers.port + i}" for i in range(servers.servers_per_node)],
