@@ -163,9 +163,11 @@ class UpdateGroup:
     def join(cls, *, master_address: str, master_port: int, rank: int, world_size: int, name: str,
              backend: str, timeout_s: float) -> UpdateGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
-        store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                                       timeout=timeout))
-        store.set_timeout(timeout)
+        # The store is made here, not by ``c10d.rendezvous``: in a torchrun rank (TORCHELASTIC_USE_AGENT_STORE
+        # set) that would make rank 0 a client of the training job's agent store, and the servers, which
+        # connect to master_port, would wait for a store nobody serves.
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False, multi_tenant=True)
         store = c10d.PrefixStore(name, store)
         group, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store, group_name=name,
                                                   timeout=timeout)
