@@ -306,7 +306,37 @@ class CampaignPlan:
         stages = [dataclasses.replace(s, config=configlib.load(type(s.config), base=s.config,
                                                                overrides=by_stage.get(s.name, [])))
                   for s in self.stages]
-        return CampaignPlan(name=self.name, output_dir=self.output_dir, stages=stages)
+        plan = CampaignPlan(name=self.name, output_dir=self.output_dir, stages=stages)
+        # A bootstrap writes its policy to <cache_dir>/<hash of its config>, the folder every later stage
+        # was wired to read: an override of the bootstrap moves that folder, so the readers follow it.
+        from pipeline.stages.bootstrap import config_hash
+
+        for before, after in zip(self.stages, stages):
+            if before.kind == "bootstrap" and config_hash(before.config) != config_hash(after.config):
+                old = str(Path(before.config.cache_dir) / config_hash(before.config))
+                new = str(Path(after.config.cache_dir) / config_hash(after.config))
+                plan = plan.with_paths_moved(old, new)
+                # rl stages name the base policy by its bootstrap section (built or reused from the cache).
+                plan = CampaignPlan(name=plan.name, output_dir=plan.output_dir, stages=[
+                    dataclasses.replace(s, config=dataclasses.replace(s.config, bootstrap=after.config))
+                    if s.kind == "rl" and s.config.bootstrap == before.config else s for s in plan.stages])
+        return plan
+
+    def with_paths_moved(self, old: str, new: str) -> CampaignPlan:
+        """The plan with every stage path equal to ``old``, or under it, now under ``new``."""
+
+        def move(value: Any) -> Any:
+            if isinstance(value, str) and (value == old or value.startswith(old + "/")):
+                return new + value[len(old):]
+            if isinstance(value, list):
+                return [move(item) for item in value]
+            if isinstance(value, dict):
+                return {key: move(item) for key, item in value.items()}
+            return value
+
+        data = self.to_dict()
+        data["stages"] = move(data["stages"])
+        return CampaignPlan.from_dict(data)
 
 
 # ================================================================ the status file

@@ -112,6 +112,19 @@ def test_overrides_reach_one_stage_and_are_validated(tmp_path):
         plan.with_overrides(["rl-grpo.steps=0"])
 
 
+def test_an_overridden_bootstrap_moves_the_policy_every_later_stage_reads(tmp_path):
+    plan = cpu_campaign(output_dir=tmp_path, tiny=True)
+    moved = plan.with_overrides(["bootstrap.seed=5"])
+    bootstrap = moved.stage("bootstrap").config
+    entry = str(Path(bootstrap.cache_dir) / config_hash(bootstrap))
+    assert entry != plan.stage("curate").config.policy
+    assert moved.stage("curate").config.policy == entry
+    for stage in moved.stages:
+        if stage.kind == "rl":
+            assert stage.config.bootstrap == bootstrap  # the rl stages rebuild the same entry
+    assert moved.stage("evaluate-grpo").config.tokenizer == str(Path(entry) / "tokenizer")
+
+
 def test_cpu_campaign_wires_every_path_from_the_root(tmp_path):
     plan = cpu_campaign(output_dir=tmp_path, tiny=True)
     boot = plan.stage("bootstrap").config
