@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from pipeline.parallel.lifetime import exit_with_parent_preexec
 from pipeline.rollout.sglang_api import HEALTH_GENERATE_PATH
 
 __all__ = ["ServerCommand", "Supervisor"]
@@ -255,9 +256,10 @@ class Supervisor:
         self._start(server)
 
     def _start(self, server: _Supervised) -> None:
-        # A session of its own, so one killpg reaches the server's children too.
+        # A session of its own, so one killpg reaches the server's children too; and it dies with the
+        # supervising process (a kill -9 of the serve role leaves no server holding its port and GPU).
         server.process = subprocess.Popen(list(server.spec.command), stdin=subprocess.DEVNULL, start_new_session=True,
-                                          env=self.env)
+                                          env=self.env, preexec_fn=exit_with_parent_preexec())
         server.started_at = time.monotonic()
         server.healthy = False
         server.failed_probes = 0

@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -315,6 +316,7 @@ class DistributedSyncedEngine(_Wrapped):
         self._members: list[tuple[str, int]] = []  # (URL, failures so far) of the servers in the current group
         self._left_behind: list[tuple[str, list[tuple[str, int]]]] = []  # closed groups' (name, members)
         self._groups_formed = 0
+        self._name_prefix = uuid.uuid4().hex[:8]
 
     def plan(self, version: int) -> SyncPlan:
         return SyncPlan(transport="distributed", bucket_bytes=self.bucket_bytes)
@@ -334,7 +336,9 @@ class DistributedSyncedEngine(_Wrapped):
         self._left_behind = []
         world_size = 1 + len(members) * self.server_ranks
         port = free_port()
-        name = f"winnow-weights-{self._groups_formed}"
+        # Named for this trainer process too: a server that outlived an earlier trainer (a relaunch on live
+        # servers) may still hold that trainer's group of the same number, and SGLang refuses a second one.
+        name = f"winnow-weights-{self._name_prefix}-{self._groups_formed}"
         self._groups_formed += 1
         # The servers answer init_weights_update_group only once every member joined, this rank too.
         with ThreadPoolExecutor(max_workers=1) as pool:

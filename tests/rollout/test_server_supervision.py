@@ -368,9 +368,12 @@ def test_a_restarted_server_rejoins_a_new_update_group_before_it_serves(tmp_path
     paths = outcome["paths"]
     assert paths[0] == "/init_weights_update_group" and "/generate" in paths
     assert paths.index("/end_weight_update") < paths.index("/generate")
-    assert outcome["survivor"] == [("/init_weights_update_group", "winnow-weights-0"),
-                                   ("/destroy_weights_update_group", "winnow-weights-0"),
-                                   ("/init_weights_update_group", "winnow-weights-1")]
+    (init, first), (destroy, destroyed), (again, second) = outcome["survivor"]
+    assert (init, destroy, again) == ("/init_weights_update_group", "/destroy_weights_update_group",
+                                      "/init_weights_update_group")
+    # Group names carry the trainer process's own prefix: a server that outlived another trainer holds none of them.
+    assert destroyed == first and first.startswith("winnow-weights-") and first.endswith("-0")
+    assert second == first.removesuffix("-0") + "-1"
 
 
 def test_model_info_version_is_read_from_sglangs_own_response_struct():
@@ -389,3 +392,31 @@ def test_model_info_version_is_read_from_sglangs_own_response_struct():
     routes = (sglang_schema.sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text()
     for path in (api.HEALTH_PATH, api.HEALTH_GENERATE_PATH, api.MODEL_INFO_PATH):
         assert f'@app.get("{path}")' in routes
+
+
+_SUPERVISING = """
+import sys, time
+from pipeline.rollout.supervise import ServerCommand, Supervisor
+supervisor = Supervisor([ServerCommand(command=(sys.executable, "-c", "import time; time.sleep(120)"))], max_restarts=0)
+with supervisor:
+    print(supervisor._servers[0].process.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_servers_die_with_a_killed_supervising_process():
+    import subprocess
+
+    parent = subprocess.Popen([sys.executable, "-c", _SUPERVISING], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    server_pid = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)  # the serve role killed -9 (or its node role, which it dies with)
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{server_pid}").exists() and time.monotonic() < deadline:
+        state = Path(f"/proc/{server_pid}/stat").read_text().split()[2] if Path(f"/proc/{server_pid}").exists() else "X"
+        if state == "Z":  # dead, waiting for init to reap it
+            break
+        time.sleep(0.05)
+    alive = Path(f"/proc/{server_pid}").exists() and Path(f"/proc/{server_pid}/stat").read_text().split()[2] != "Z"
+    assert not alive, "the server outlived the process that supervised it"
