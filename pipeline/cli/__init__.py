@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -226,6 +227,13 @@ def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dryrun", action="store_true",
                         help="write the task scripts (and sbatch scripts) without running anything")
     parser.add_argument("--detach", action="store_true", help="slurm: submit and return without following the jobs")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="run this exact plan here first: a scaled-down model of the same family, gloo ranks "
+                             "for GPUs, CPU stand-ins for SGLang, fewer prompts and steps; SIGUSR1 and a killed "
+                             "server are played during the rl stages; prints a PASS/FAIL row per stage "
+                             "(docs/launching.md#rehearsal); output under runs/rehearsals/<name> unless --output-dir")
+    parser.add_argument("--rehearse-events", choices=["on", "off"], default="on",
+                        help="--rehearse: play the SIGUSR1 stop and the server kill during the rl stages")
     parser.add_argument("--executor.nodes", dest="executor_nodes", type=int, default=None, metavar="N",
                         help="trainer nodes of the multi-rank stages (bootstrap, rl)")
     parser.add_argument("--executor.ranks-per-node", dest="executor_ranks_per_node", type=int, default=None,
@@ -258,7 +266,8 @@ def _launch_stage_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("kind", choices=sorted(CAMPAIGN_STAGE_CONFIGS), help="the stage to launch")
     parser.add_argument("--config", metavar="YAML", help="a YAML file of the stage's options to load first")
-    parser.add_argument("--ranks-per-node", type=int, default=1, help="processes per node (bootstrap, rl)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="processes per node (bootstrap, rl; default: one per GPU of --gpus-per-node, else 1)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node the job requests")
     _add_executor_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of the stage's config")
@@ -287,6 +296,8 @@ def _launch(plan, args: argparse.Namespace) -> int:
 
     overrides, options = _launch_options(args)
     plan = apply_executor_overrides(plan, overrides)
+    if args.rehearse:
+        return _rehearse(plan, args, profile=options.profile)
     check_campaign_plan(plan, args)
     if options.executor == "local" and not options.dryrun:
         _preflight_campaign(plan)
@@ -305,6 +316,17 @@ def _launch(plan, args: argparse.Namespace) -> int:
               f"not run {', '.join(result.blocked) or 'none'}", file=sys.stderr)
         return 1
     return 0
+
+
+def _rehearse(plan, args: argparse.Namespace, *, profile) -> int:
+    from pipeline.launch.rehearse import run_rehearsal
+
+    output_dir = args.rehearsal_dir
+    report = run_rehearsal(plan, output_dir=output_dir, check_args=args, executor=args.executor, profile=profile,
+                           events=args.rehearse_events == "on")
+    print(report.format())
+    Path(output_dir, "report.txt").write_text(report.format() + "\n")
+    return 0 if report.ok else 1
 
 
 def _preflight_campaign(plan) -> None:
@@ -357,6 +379,10 @@ def _launch_campaign(args: argparse.Namespace) -> int:
         if args.recipe.startswith("cpu"):
             raise UserError(f"--model-dir: the {args.recipe} recipe bootstraps its own policy")
         kwargs["model_dir"] = args.model_dir
+    args.rehearsal_dir = args.output_dir or f"runs/rehearsals/{args.recipe}"
+    if args.rehearse:
+        # The plan is built where the cluster would write it, then moved under the rehearsal's folder.
+        kwargs.setdefault("output_dir", f"{args.rehearsal_dir}/campaign")
     if "output_dir" not in kwargs and not args.recipe.startswith("cpu"):
         raise UserError(f"--output-dir: required for the {args.recipe} recipe (a directory every node shares)")
     plan = CAMPAIGNS[args.recipe](**kwargs).with_overrides(args.overrides)
@@ -367,7 +393,9 @@ def _launch_stage(args: argparse.Namespace) -> int:
     from pipeline.launch.campaign import CAMPAIGN_STAGE_CONFIGS, CampaignPlan, Resources, Stage
 
     config = configlib.load(CAMPAIGN_STAGE_CONFIGS[args.kind], yaml_path=args.config, overrides=args.overrides)
-    resources = Resources(ranks_per_node=args.ranks_per_node, gpus_per_node=args.gpus_per_node)
+    ranks = args.ranks_per_node if args.ranks_per_node is not None else max(1, args.gpus_per_node)
+    resources = Resources(ranks_per_node=ranks, gpus_per_node=args.gpus_per_node)
+    args.rehearsal_dir = args.output_dir or f"runs/rehearsals/{args.kind}"
     plan = CampaignPlan(name=args.kind, output_dir=args.output_dir or f"runs/launch/{args.kind}",
                         stages=[Stage(name=args.kind, kind=args.kind, config=config, resources=resources)])
     return _launch(plan, args)

@@ -203,6 +203,16 @@ class Stage:
         if self.resources.rollout is not None and not (self.resources.rollout.model_path or self.config.policy):
             raise ConfigError(f"stages.{self.name}.config.policy: SGLang servers need a Hugging Face policy "
                               "folder to serve (the bootstrap policy is a winnow checkpoint)")
+        if self.kind == "rl":
+            parallel = self.config.parallel
+            model_parallel = parallel.tensor_parallel * parallel.pipeline_parallel
+            if self.resources.gpus_per_node and self.resources.ranks_per_node != self.resources.gpus_per_node:
+                raise ConfigError(f"stages.{self.name}.resources.ranks_per_node: {self.resources.ranks_per_node} "
+                                  f"rank(s) on {self.resources.gpus_per_node} GPUs per node; an rl stage runs one "
+                                  "rank per GPU")
+            if self.resources.num_ranks % model_parallel:
+                raise ConfigError(f"stages.{self.name}.resources: {self.resources.num_ranks} rank(s) are not a "
+                                  f"multiple of TP x PP = {model_parallel} (config.parallel)")
         servers = self.resources.rollout
         if servers is not None and self.config.rollout.min_servers > servers.nodes * servers.servers_per_node:
             raise ConfigError(f"stages.{self.name}.config.rollout.min_servers: {self.config.rollout.min_servers} "

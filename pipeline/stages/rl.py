@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pipeline.algorithms.depo import observed_zero_variance
 from pipeline.config import RLConfig
-from pipeline.errors import NonFiniteTrainingError
+from pipeline.errors import NonFiniteTrainingError, UserError
 from pipeline.models.spec import ModelSpec
 from pipeline.rl.registry import StepEnd
 from pipeline.rl.rollouts import to_train_batch
@@ -80,10 +80,10 @@ def convert_hf_policy(cfg: RLConfig, *, context) -> Path:
         manifest = read_manifest(resolve_checkpoint(out))
         recorded = {key: manifest.get("layout", {}).get(key) for key in layout}
         if manifest.get("hf_source") != str(hf_dir) or recorded != layout:
-            raise ValueError(f"policy: {out} holds a conversion of {manifest.get('hf_source')} for {recorded}, not of "
+            raise UserError(f"policy: {out} holds a conversion of {manifest.get('hf_source')} for {recorded}, not of "
                              f"{hf_dir} for {layout}; use another logging.output_dir or delete it")
     elif context.world_size != 1:
-        raise ValueError(f"policy: {cfg.policy} is a Hugging Face folder and converting it needs a one-rank process; "
+        raise UserError(f"policy: {cfg.policy} is a Hugging Face folder and converting it needs a one-rank process; "
                          f"run `{command}` once (it verifies logit parity), then start this run again: it uses {out}")
     else:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import BootstrapConfig, CurateConfig, EvaluateConfig, RLConfig, TrainEstimatorConfig
+from pipeline.config import BootstrapConfig, CurateConfig, EvaluateConfig, ParallelConfig, RLConfig, TrainEstimatorConfig
 from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import (
     CampaignPlan,
@@ -241,3 +241,12 @@ def test_stage_kinds_and_configs_match_the_cli():
         if kind not in ("export", "convert"):  # their options are `winnow convert` flags
             assert COMMAND_CONFIGS[kind] is cls
     assert CAMPAIGN_STAGE_CONFIGS["bootstrap"] is BootstrapConfig and CAMPAIGN_STAGE_CONFIGS["curate"] is CurateConfig
+
+
+def test_a_gpu_rl_stage_runs_one_rank_per_gpu_in_whole_model_replicas(tmp_path):
+    rl = RLConfig(policy="/models/m", parallel=ParallelConfig(tensor_parallel=4))
+    with pytest.raises(ConfigError, match="ranks_per_node: 1 rank\\(s\\) on 8 GPUs per node; an rl stage runs one"):
+        Stage(name="rl", kind="rl", config=rl, resources=Resources(nodes=2, gpus_per_node=8))
+    with pytest.raises(ConfigError, match="6 rank\\(s\\) are not a multiple of TP x PP = 4"):
+        Stage(name="rl", kind="rl", config=rl, resources=Resources(ranks_per_node=6))
+    Stage(name="rl", kind="rl", config=rl, resources=Resources(nodes=2, ranks_per_node=8, gpus_per_node=8))

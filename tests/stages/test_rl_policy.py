@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.config import RLConfig
+from pipeline.errors import UserError
 from pipeline.rl.setup import load_eval_prompts
 from tests.checkpoint.tiny_models import tiny_spec
 
@@ -43,7 +44,7 @@ def test_a_conversion_of_another_folder_is_not_reused(tmp_path):
         "layout": {"tensor_parallel": 1, "pipeline_parallel": 1}}))
     cfg = RLConfig(policy=str(hf))
     cfg.logging.output_dir = str(tmp_path / "run")
-    with pytest.raises(ValueError, match="holds a conversion of /models/other"):
+    with pytest.raises(UserError, match="holds a conversion of /models/other"):  # exit 2, never requeued
         initial_policy(cfg, context=SimpleNamespace(world_size=1, rank=0))
 
 
