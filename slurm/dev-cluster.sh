@@ -117,12 +117,13 @@ ensure_packages() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${PACKAGES[@]}" >&2
 }
 
-# max(nproc, 2) CPUs: a two-task srun must fit on the one node even on a 1-CPU VM
-# (SlurmdParameters=config_overrides lets the node advertise more than it has).
+# max(nproc, 8) CPUs (SlurmdParameters=config_overrides lets the node advertise more than it has):
+# a campaign rehearsal runs a TP=4 rl job (4 gloo ranks plus its rollout stand-ins) on this one node,
+# oversubscribed on purpose with tiny models, and a two-task srun must fit even on a 1-CPU VM.
 node_cpus() {
     local cpus
     cpus=$(nproc)
-    ((cpus >= 2)) || cpus=2
+    ((cpus >= 8)) || cpus=8
     printf '%s\n' "$cpus"
 }
 

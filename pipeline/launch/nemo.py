@@ -128,6 +128,8 @@ def stage_script(plan: CampaignPlan, stage: Stage, *, python: str, workdir: str 
         "set -eo pipefail",
         f"cd {quote(str(workdir))}",
         f"export PYTHONPATH={quote(str(workdir))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        # Every role of this attempt names it alike (the servers end when the node role marks it done).
+        'export WINNOW_ATTEMPT="${SLURM_JOB_ID:-local-$$}:${SLURM_RESTART_COUNT:-0}"',
     ]
     if resources.rollout is not None and resources.rollout.colocated:
         serve = " ".join(quote(arg) for arg in [*task, "serve", *where])

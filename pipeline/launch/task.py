@@ -72,8 +72,18 @@ ROLLOUT_DIR = "rollout"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
+ATTEMPT_ENV = "WINNOW_ATTEMPT"  # set by the stage script: one value for every role of one attempt of a job
+
+
 def _attempt_token() -> str:
-    """Names one attempt of one job: a requeued job is a new attempt with the same id."""
+    """Names one attempt of one job: a requeued job is a new attempt with the same id.
+
+    Outside SLURM (the local executor) every run of the stage script is an attempt of its own:
+    the script names it by its shell's pid, which the node role takes over (``exec``), so a
+    relaunched stage's servers do not take the previous attempt's done marker for theirs.
+    """
+    if ATTEMPT_ENV in os.environ:
+        return os.environ[ATTEMPT_ENV]
     return f"{os.environ.get('SLURM_JOB_ID', 'local')}:{os.environ.get('SLURM_RESTART_COUNT', '0')}"
 
 

@@ -268,7 +268,7 @@ def test_a_conversion_bigger_than_a_node_asks_for_all_of_it(tmp_path):
 
 
 def test_cpu_jobs_ask_for_a_cpu_per_rank(tmp_path):
-    profile = load_profile("dev")
+    profile = dataclasses.replace(load_profile("dev"), cpus_per_node=2)  # a 2-CPU node: 2 ranks take all of it
     plan = cpu_campaign(output_dir=tmp_path / "campaign", tiny=True)
     two = dataclasses.replace(plan.stage("rl-grpo"), resources=dataclasses.replace(
         plan.stage("rl-grpo").resources, ranks_per_node=2))

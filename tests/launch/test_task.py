@@ -189,3 +189,25 @@ def test_stage_tasks_build_back_to_the_typed_stage(tmp_path):
     assert built.keywords["stage"] == Stage(name="rl", kind="rl", config=rl,
                                             resources=Resources(nodes=2, ranks_per_node=8))
     assert isinstance(plan.stage("rl-grpo").resources.rollout, RolloutServers)
+
+
+def test_every_run_of_a_local_stage_script_is_an_attempt_of_its_own(tmp_path, monkeypatch):
+    """A relaunched local stage's servers must not read the previous attempt's done marker as theirs."""
+    import subprocess
+
+    from pipeline.launch import task
+    from pipeline.launch.nemo import stage_script
+    from recipes.campaigns import qwen25_math_7b
+
+    plan = qwen25_math_7b(output_dir=tmp_path)
+    script = stage_script(plan, plan.stage("rl-default"), python=sys.executable, workdir=tmp_path)
+    setup = "\n".join(line for line in script.splitlines() if line.startswith("export WINNOW_ATTEMPT"))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    tokens = {subprocess.run(["bash", "-c", setup + '\necho "$WINNOW_ATTEMPT"'], env=env, capture_output=True,
+                             text=True, check=True).stdout.strip() for _ in range(2)}
+    assert len(tokens) == 2 and all(token.startswith("local-") for token in tokens)
+    slurm = {**env, "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "3"}
+    assert subprocess.run(["bash", "-c", setup + '\necho "$WINNOW_ATTEMPT"'], env=slurm, capture_output=True,
+                          text=True, check=True).stdout.strip() == "42:3"  # every node of one attempt alike
+    monkeypatch.setenv(task.ATTEMPT_ENV, "local-99:0")
+    assert task._attempt_token() == "local-99:0"

@@ -49,7 +49,7 @@ def test_dev_profile_loads_by_name_and_by_path() -> None:
         partition="dev",
         account=None,
         nodes=1,
-        cpus_per_node=2,
+        cpus_per_node=8,
         mem_per_node="0",
         gpus_per_node=0,
         time_limit="00:30:00",
