@@ -39,6 +39,7 @@ import functools
 import re
 from typing import Literal
 
+from pipeline.rewards.extract import box_list
 from pipeline.rewards.normalize import latex_cleanup, normalize_answer
 
 NumericAnswers = Literal["literal", "symbolic"]
@@ -46,7 +47,7 @@ NumericAnswers = Literal["literal", "symbolic"]
 # A one-character argument written without braces: "^2", "_2", "\frac32", "\sqrt2".
 _SHORTHAND_SCRIPT = re.compile(r"([_^])([A-Za-z0-9])")
 _SHORTHAND_MACRO_ARGUMENT = re.compile(r"(\\(?:frac|sqrt))(\d)")
-_SHORTHAND_SECOND_FRACTION_ARGUMENT = re.compile(r"(\\frac\{[^{}]*\})(\d)")
+_SHORTHAND_SECOND_FRACTION_ARGUMENT = re.compile(r"(\\frac\{[^{}]*\}) ?(\d)")  # "\frac 3 4" too
 
 
 def number_literal(text: str) -> bool:
@@ -63,7 +64,8 @@ def bare_number(text: str) -> bool:
 @functools.lru_cache(maxsize=4096)
 def restatement_key(text: str) -> str:
     """``text`` as the restatement test compares it (see the module docstring)."""
-    key = latex_cleanup(text)
+    boxes = box_list(text)
+    key = latex_cleanup(text if boxes is None else ", ".join(boxes))
     key = _SHORTHAND_SCRIPT.sub(r"\1{\2}", key)
     key = _SHORTHAND_MACRO_ARGUMENT.sub(r"\1{\2}", key)
     key = _SHORTHAND_SECOND_FRACTION_ARGUMENT.sub(r"\1{\2}", key)

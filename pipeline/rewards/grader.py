@@ -9,8 +9,9 @@ Grading runs in three steps:
 
 1. ``prepare`` (cheap, bounded, safe in the trainer process): keep the last
    ``max_response_chars`` of the response; take the last ``\\boxed{...}``/``\\fbox{...}``
-   as the answer; reject answers and gold longer than ``max_answer_chars``;
-   normalize both and compare (``normalize.fast_compare``). Most RL answers end here.
+   as the answer, with the boxes it closes a list with (``$\\boxed{1}$ and $\\boxed{2}$``
+   is the answer ``1, 2``: ``extract.final_boxed``); reject answers and gold longer than
+   ``max_answer_chars``; normalize both and compare (``normalize.fast_compare``). Most RL answers end here.
 2. ``grade_with_math_verify`` (sympy; may be slow or stuck): parse the boxed answer,
    or, when there is no complete box, let math-verify extract one from the response
    tail (``extract_from_text``, which keeps the answer it found verbatim, so the
@@ -47,7 +48,7 @@ from typing import Any
 
 from pipeline.rewards import answer_rules
 from pipeline.rewards.answer_rules import NumericAnswers
-from pipeline.rewards.extract import last_boxed
+from pipeline.rewards.extract import enclosing_expression, final_boxed
 from pipeline.rewards.normalize import NormalizedAnswer, fast_compare, normalize_answer
 
 __all__ = [
@@ -183,7 +184,7 @@ def prepare(response: Any, gold: Any, options: GradeOptions, problem: str | None
     if not isinstance(response, str) or not response:
         return _decided(Reason.NO_ANSWER, has_box=False, extracted=None, options=options)
     tail = response[-options.max_response_chars :]
-    boxed = last_boxed(tail)
+    boxed = final_boxed(tail)
     if boxed is None or boxed.content is None:
         # No complete box: math-verify's own extraction decides (in a worker).
         return PendingGrade(answer=None, response_tail=tail, gold=gold, has_box=False)
@@ -277,6 +278,10 @@ def _answer_span(match: re.Match[str]) -> tuple[int, int]:
 _ANSWER_GROUP = re.compile(r"(?:first|next\d)_(?:latex|percent)|integer|decimal|expr$|percent$")
 
 
+# Operators plain text may use, in the LaTeX math-verify parses.
+_PLAIN_OPERATORS = str.maketrans({"\u00d7": "\\times ", "\u00f7": "\\div ", "\u00b7": "\\cdot "})
+
+
 def extract_from_text(text: str) -> tuple[list[Any], str | None]:
     """math-verify's extraction from unboxed text (``parse`` with its defaults), and
     the answer it graded as a verbatim substring of ``text`` (``None``: nothing found).
@@ -285,7 +290,12 @@ def extract_from_text(text: str) -> tuple[list[Any], str | None]:
     dropped, ``\\dfrac`` → ``\\frac``, ``\\log_264`` → ``\\log_{2}{64}``), which is
     often not in the response; the answer rules must see what the response says, so
     this walks the same regexes in the same order and keeps the match's position.
+
+    One correction: math-verify's plain-text regexes read numbers only, so a number
+    that is one term of an expression written in plain text ("the answer is 2x+1")
+    stands for the whole expression (``extract.enclosing_expression``), parsed as LaTeX.
     """
+    from math_verify import ExprExtractionConfig
     from math_verify.parser import extract_match
 
     first_fallback: tuple[str, str] | None = None
@@ -298,6 +308,11 @@ def extract_from_text(text: str) -> tuple[list[Any], str | None]:
         for match, target in matches:
             parsed, normalized = extract_match(match, target)
             start, end = _answer_span(match)
+            if parsed is not None and isinstance(target, ExprExtractionConfig):
+                expression = enclosing_expression(text, start, end)
+                if expression is not None:
+                    written = text[expression[0] : expression[1]]
+                    return _parse("\\boxed{" + written.translate(_PLAIN_OPERATORS) + "}"), written
             if first_fallback is None and normalized:
                 first_fallback = (normalized, text[start:end])
             if parsed is not None:

@@ -7,7 +7,8 @@ each, comparing normalized strings costs microseconds. ``fast_compare`` returns
   are numbers with equal values (``numbers_agree``: exact for integers and fractions,
   the tolerance rule below when either is written as a decimal);
 * ``False`` when both answers are numbers that do not agree and neither carries a
-  percent sign or degrees the other lacks (``10\\%`` may equal ``0.1``);
+  percent sign or degrees the other lacks (``10\\%`` may equal ``0.1``), and when one
+  answer is a list (``1, 234``) and the other a number (``1,234``);
 * ``None``  otherwise: the caller must ask math-verify.
 
 Numbers are read once, here, for the fast path and for the answer rules alike
@@ -15,6 +16,8 @@ Numbers are read once, here, for the fast path and for the answer rules alike
 ``14{,}916``), decimals (``.75``), fractions (``7/2``, ``\\frac{1}{2}``, the MATH
 shorthand ``\\frac32``/``\\frac9{19}``, ``\\frac{3}{-4}``) and repeating decimals (``1.\\overline{3}`` = 4/3), with optional
 sign, ``$``, ``%``, degrees, ``x =`` and unit words (``18 miles``, ``12\\text{ cm}``).
+An answer written as several boxes (``\\boxed{1} \\text{ and } \\boxed{2}``) is the list of
+their contents (``1, 2``), never the number their digits would spell.
 
 Tolerance: a decimal agrees with the gold ``g`` when ``|a - g| <= min(1e-6, 1e-4 |g|)``.
 From 0.01 up that is math-verify's own rule (it rounds to 6 decimal places); below
@@ -37,7 +40,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from pipeline.rewards.extract import find_closing_brace
+from pipeline.rewards.extract import box_list, find_closing_brace
 
 __all__ = [
     "MAX_NUMBER_CHARS",
@@ -83,7 +86,8 @@ _INTEGER = re.compile(rf"[+-]?{_DIGITS}")
 _DECIMAL = re.compile(rf"[+-]?(?:{_DIGITS}\.\d*|\.\d+)")
 _SLASH_FRACTION = re.compile(r"([+-]?\d+)/([+-]?\d+)")
 # \frac{a}{b}, and the shorthand \frac32 / \frac9{19} / \frac{9}2 (one digit, no braces).
-_LATEX_FRACTION = re.compile(r"([+-]?)\\frac(?:\{([+-]?\d+)\}|(\d))(?:\{([+-]?\d+)\}|(\d))")
+# A space may separate two one-digit arguments ("\frac 3 4" is "\frac3 4" once cleaned up).
+_LATEX_FRACTION = re.compile(r"([+-]?)\\frac(?:\{([+-]?\d+)\}|(\d))(?:\{([+-]?\d+)\}| ?(\d))")
 _REPEATING = re.compile(r"([+-]?)(\d*)\.(\d*)\\(?:overline|bar)(?:\{(\d+)\}|(\d))")
 # Words after a number: "18miles", "12cm^2", "5miles per hour" (spaces are gone between a
 # digit and a letter, kept between two letters). The first word has two letters or more,
@@ -118,7 +122,9 @@ class NormalizedAnswer:
     still to be divided out such as ``100/2``, ``repeating``; ``None`` for anything else);
     ``marks`` names the lossy normalizations applied;
     ``for_math_verify`` is the answer rewritten for math-verify when it holds something
-    math-verify reads differently (unit words, a repeating decimal, ``°``), else ``None``.
+    math-verify reads differently (unit words, a repeating decimal, ``°``, several boxes),
+    else ``None``; ``is_list`` says the answer is a list of two or more items by its
+    writing (several boxes, or ``32, 349``), so never one number.
     """
 
     text: str
@@ -126,6 +132,7 @@ class NormalizedAnswer:
     form: str | None
     marks: frozenset[str]
     for_math_verify: str | None = None
+    is_list: bool = False
 
     @property
     def is_decimal(self) -> bool:
@@ -267,6 +274,10 @@ def _as_latex(value: Fraction, form: str, text: str, marks: frozenset[str]) -> s
 
 def normalize_answer(answer: str) -> NormalizedAnswer:
     """Normalize one extracted answer (or gold answer) for ``fast_compare``."""
+    boxes = box_list(answer)
+    listed_boxes = None if boxes is None else ", ".join(content.strip() for content in boxes)
+    if listed_boxes is not None:
+        answer = listed_boxes
     marks: set[str] = set()
     if "\\$" in answer:
         marks.add("currency")
@@ -276,10 +287,12 @@ def normalize_answer(answer: str) -> NormalizedAnswer:
     found_marks = set(marks)
     text = _strip_decorations(cleaned, found_marks)
     value, form = _exact_value(text)
-    if "," in text and _LIST_COMMA.search(answer):
+    is_list = listed_boxes is not None or _LIST_COMMA.search(answer) is not None
+    if "," in text and is_list:
         value, form = None, None
     dropped_units = False
-    units = _UNIT_WORDS.search(cleaned) if value is None and len(cleaned) <= _MAX_UNIT_ANSWER_CHARS else None
+    units = (_UNIT_WORDS.search(cleaned) if value is None and not is_list and len(cleaned) <= _MAX_UNIT_ANSWER_CHARS
+             else None)
     if units is not None:
         unit_marks = _unit_phrase_marks(units["words"])
         if unit_marks is not None:
@@ -289,12 +302,14 @@ def normalize_answer(answer: str) -> NormalizedAnswer:
             if number_value is not None:
                 text, value, form, found_marks, dropped_units = number, number_value, number_form, unit_marks, True
     final_marks = frozenset(found_marks)
-    for_math_verify = None
+    for_math_verify = listed_boxes
     if value is not None and (dropped_units or form == "repeating"):
         for_math_verify = _as_latex(value, form, text, final_marks)
     elif "°" in answer:
         for_math_verify = answer.replace("°", "^\\circ")
-    return NormalizedAnswer(text=text, value=value, form=form, marks=final_marks, for_math_verify=for_math_verify)
+    return NormalizedAnswer(
+        text=text, value=value, form=form, marks=final_marks, for_math_verify=for_math_verify, is_list=is_list
+    )
 
 
 def numbers_agree(answer: Fraction, gold: Fraction, *, decimal: bool) -> bool:
@@ -309,6 +324,8 @@ def fast_compare(pred: NormalizedAnswer, gold: NormalizedAnswer) -> bool | None:
     """``True``/``False`` when the fast path is certain, ``None`` to defer to math-verify."""
     if pred.marks and gold.marks and pred.marks != gold.marks:
         return None
+    if pred.is_list != gold.is_list and (pred.value is not None or gold.value is not None):
+        return False  # two or more items are never one number: "1, 234" is not 1,234, though both read "1,234"
     if pred.text == gold.text:
         return True
     if pred.value is None or gold.value is None:

@@ -14,6 +14,8 @@ PROBLEM = "What is 30 * 69?"
     ("2070", True), ("-41", True), ("2,070", True), ("3.25", True), ("\\frac{1}{2}", True), ("-\\dfrac{3}{4}", True),
     ("7/2", True), ("x=2", True), ("x_1 = -3", True), ("x=y", False), ("\\$18", True), ("25\\%", True), ("1\\,000", True), ("12.", True),
     ("90^\\circ", True), ("5\\text{ cm}", True), ("\\mathrm{(B)}", False),
+    ("\\frac 3 4", True), ("\\dfrac 1 2", True), ("\\frac3{4}", True), ("\\frac 3 3", False), ("\\frac3{3}", False),
+    ("\\boxed{1}, \\boxed{234}", False), ("1, 234", False),
     ("30 * 69", False), ("2^{10}", False), ("\\sqrt{2}", False), ("x + 1", False), ("", False), ("1e3", False),
 ])
 def test_number_literals(text, expected):
@@ -29,6 +31,13 @@ def test_an_expression_copied_from_the_question_restates_it():
     assert not restates_problem("2^{10}", problem="Which is larger, 2^{10} or 10^3?", gold="2^{10}")
     # Simplify-type questions: the unsimplified form is a copy.
     assert restates_problem("\\sqrt{8}", problem="Simplify \\sqrt{8}.", gold="2\\sqrt{2}")
+    # Shorthand is compared braced, however it is spaced.
+    assert restates_problem("\\frac34", problem="Write $\\frac 3 4$ as a decimal.", gold="0.75")
+    assert restates_problem("\\frac 3 4", problem="Write $\\frac{3}{4}$ as a decimal.", gold="0.75")
+    # A list written as boxes is compared as the list.
+    problem = "Order 1, 2, 3 from largest to smallest."
+    assert restates_problem("\\boxed{1}, \\boxed{2}, \\boxed{3}", problem=problem, gold="3, 2, 1")
+    assert not restates_problem("\\boxed{3}$, $\\boxed{2}$ and $\\boxed{1}", problem=problem, gold="3, 2, 1")
 
 
 @pytest.mark.parametrize(("response", "reason"), [

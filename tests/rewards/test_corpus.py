@@ -8,7 +8,8 @@ Each line is one case: ``response``, ``gold``, optional ``problem``, ``expected`
   (every answer type: integers, fractions, decimals, radicals, pi, degrees, intervals,
   tuples, matrices, complex numbers, bases, text and multiple choice), GSM8K answers
   and full reference solutions, the number forms of ``docs/grading.md``;
-* ``wrong``: the same answers changed in value, near misses of the tolerance rule;
+* ``wrong``: the same answers changed in value, near misses of the tolerance rule, of
+  lists written as several boxes and of unboxed expressions;
 * ``hack``: unevaluated arithmetic (boxed, unboxed, GSM8K calculator annotations),
   expressions and fractions copied from the question;
 * ``math-verify``: the test inputs of huggingface/Math-Verify (``tests/test_all.py``,
@@ -17,8 +18,8 @@ Each line is one case: ``response``, ``gold``, optional ``problem``, ``expected`
   math-verify's verdict in ``math_verify_expected`` and name winnow's rule (the last
   box is the answer, a comma is not a decimal point, unevaluated arithmetic, ...).
 
-Graded in one batch through the pool, as the RL loop grades (3,029 cases, 693 of them
-reach sympy; 15 s on the shared 2-core build machine at load ~7).
+Graded in one batch through the pool, as the RL loop grades (3,072 cases, 706 of them
+reach sympy; 5-15 s on the shared 2-core build machine, load ~2-7).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Last-box extraction from model responses: balanced braces, linear time."""
+"""Last-box extraction from model responses: balanced braces, lists of boxes, plain-text expressions, linear time."""
 
 import time
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.rewards.extract import find_closing_brace, last_boxed
+from pipeline.rewards.extract import box_list, enclosing_expression, final_boxed, find_closing_brace, last_boxed
 
 
 @pytest.mark.parametrize(
@@ -73,4 +73,106 @@ def test_any_brace_free_content_round_trips(content):
 def test_adversarial_megabyte_inputs_are_linear(text):
     start = time.perf_counter()
     last_boxed(text)
+    assert time.perf_counter() - start < 2.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so \\boxed{1}, \\boxed{2}.", "\\boxed{1}, \\boxed{2}"),  # one answer written as two boxes
+        ("The roots are $\\boxed{1}$ and $\\boxed{2}$.", "\\boxed{1}$ and $\\boxed{2}"),
+        ("$\\boxed{1}$ \\quad\\text{and}\\quad $\\boxed{2}$", "\\boxed{1}$ \\quad\\text{and}\\quad $\\boxed{2}"),
+        # "or" joins two forms of one answer, not a list
+        ("$\\boxed{15\\frac{39}{40}},$ or $\\boxed{\\frac{639}{40}}$", "\\frac{639}{40}"),
+        ("\\boxed{1};\\boxed{2}, and \\boxed{3}", "\\boxed{1};\\boxed{2}, and \\boxed{3}"),
+        ("\\boxed{\\boxed{1}, \\boxed{2}}", "\\boxed{1}, \\boxed{2}"),  # the enclosing box is not part of the list
+        ("first \\boxed{1}, then \\boxed{7}", "7"),  # a word between boxes: an intermediate result
+        ("\\boxed{3} for part (a) and \\boxed{1}", "1"),
+        ("$y_1 = \\boxed{2}$ and $y_2 = \\boxed{3}$", "3"),
+        ("\\boxed{2}\\quad\\boxed{3}", "3"),  # no comma, semicolon, "and" or "or": not a list
+        ("\\boxed{2}\\boxed{3}", "3"),
+        ("\\boxed{}, \\boxed{3}", "3"),  # an empty box is no item
+        ("\\boxed{2}, \\boxed{}", ""),
+        ("\\boxed{5}", "5"),
+    ],
+)
+def test_final_boxed_joins_the_boxes_the_last_one_lists_with(text, expected):
+    boxed = final_boxed(text)
+    assert boxed is not None and boxed.content == expected
+    assert boxed.content in text
+
+
+def test_final_boxed_keeps_an_unclosed_last_box_unread():
+    assert final_boxed("\\boxed{1}, \\boxed{2").content is None
+    assert final_boxed("no box") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("\\boxed{1}, \\boxed{234}", ["1", "234"]),
+        ("\\boxed{1} \\text{ and } \\boxed{2}", ["1", "2"]),
+        ("\\(\\boxed{1}\\) and \\(\\boxed{-2}\\).", ["1", "-2"]),
+        ("$$\\boxed{2}, \\boxed{3}, \\boxed{5}$$", ["2", "3", "5"]),
+        ("\\boxed{1}$ and $\\boxed{2}", ["1", "2"]),
+        ("\\boxed{1}$ or $\\boxed{2}", None),
+        ("\\boxed{1}", None),  # one box is not a list
+        ("\\boxed{1}\\boxed{2}", None),
+        ("\\boxed{1} papers and \\boxed{2} bins", None),
+        ("\\boxed{1}, 2", None),
+        ("x = \\boxed{1}, \\boxed{2}", None),
+        ("\\boxed{1}, \\boxed{}", None),
+        ("1, 2", None),
+    ],
+)
+def test_box_list_reads_a_whole_answer_written_as_several_boxes(text, expected):
+    assert box_list(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "number", "expected"),
+    [
+        ("So the answer is 2x+1", "2", "2x+1"),  # math-verify reads only the "2"
+        ("the answer is 2x+1.", "2", "2x+1"),
+        ("Thus we get 2x + 1", "1", "2x + 1"),  # ... or only the last term
+        ("the answer is 3x^2 - 2x + 1.", "3", "3x^2 - 2x + 1"),
+        ("the answer is -2x+1", "-2", "-2x+1"),
+        ("the answer is 2\\sqrt{3}", "2", "2\\sqrt{3}"),
+        ("the answer is 2(x+3) now", "2", "2(x+3)"),  # a coefficient: the expression needs no sentence end
+        ("(the answer is x + 1)", "1", "x + 1"),  # the unmatched bracket is not part of it
+        ("y = 2x+1", "2", "2x+1"),  # the right-hand side only
+        ("The answer is 5 - a classic result", "5", None),  # prose, not an expression
+        ("The answer is 12cm", "12", None),  # a word (a unit) is not a variable
+        ("The answer is 12 cm", "12", None),
+        ("The answer is 3 + 4", "4", None),  # numbers only: math-verify's reading stands
+        ("The answer is 42.", "42", None),
+        ("the answer is 2(x+3", "2", None),  # an unclosed bracket
+    ],
+)
+def test_enclosing_expression_finds_the_expression_a_number_is_a_term_of(text, number, expected):
+    start = text.rindex(number)
+    span = enclosing_expression(text, start, start + len(number))
+    assert (None if span is None else text[span[0] : span[1]]) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\\boxed{1}, " * 100_000,
+        "\\boxed{" * 150_000 + "1" + "}" * 150_000,
+        "\\boxed{a}" * 100_000,
+        "\\boxed{1} and " * 50_000 + "\\boxed{" * 50_000,
+    ],
+)
+def test_box_lists_are_linear_on_adversarial_megabyte_inputs(text):
+    start = time.perf_counter()
+    final_boxed(text)
+    box_list(text)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_enclosing_expression_is_bounded_on_a_megabyte_expression():
+    text = "the answer is 2x" + "+1" * 500_000
+    start = time.perf_counter()
+    assert enclosing_expression(text, 14, 15) is None  # longer than any answer: left to math-verify's reading
     assert time.perf_counter() - start < 2.0

@@ -32,6 +32,10 @@ EQUIVALENT = [
     ("\\boxed{5\\text{ cm}}", "5"),
     ("$\\boxed{1,000}$", "1000"),
     ("\\fbox{7}", "7"),
+    ("\\boxed{\\frac 3 4}", "3/4"),
+    ("The roots are $\\boxed{1}$ and $\\boxed{2}$.", "1, 2"),  # one answer in several boxes
+    ("\\boxed{1, 234}", "\\boxed{1} \\text{ and } \\boxed{234}"),
+    ("So the answer is 2x+1", "2x+1"),  # unboxed: the whole expression, not its first term
 ]
 
 NOT_EQUIVALENT = [
@@ -44,6 +48,10 @@ NOT_EQUIVALENT = [
     ("\\boxed{x^2+1}", "x^2-1"),
     ("\\boxed{\\text{(B)}}", "A"),
     ("\\boxed{1} so finally \\boxed{2}", "1"),  # the last box is the answer
+    ("\\boxed{1}, \\boxed{2}", "2"),  # a list of boxes is not its last item
+    ("\\boxed{1234}", "\\boxed{1}, \\boxed{234}"),
+    ("So the answer is 2x+1", "2"),
+    ("So the answer is 2x+2", "2x+1"),
 ]
 
 

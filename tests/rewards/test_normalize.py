@@ -29,6 +29,12 @@ def verdict(pred: str, gold: str) -> bool | None:
         ("1,2", "1,2", None),  # a list, not a thousands separator
         ("\\frac9{19}", "\\frac9{19}", Fraction(9, 19)),  # MATH's brace-free shorthand
         ("\\frac 59", "\\frac59", Fraction(5, 9)),
+        ("\\frac 3 4", "\\frac3 4", Fraction(3, 4)),  # the two one-digit arguments may be spaced
+        ("\\dfrac 1 2", "\\frac1 2", Fraction(1, 2)),
+        ("\\frac1 23", "\\frac1 23", None),  # \frac{1}{2} times 3, not a fraction literal
+        ("\\boxed{1}, \\boxed{234}", "1,234", None),  # several boxes: a list, never the number 1234
+        ("\\boxed{1} \\text{ and } \\boxed{2}", "1,2", None),
+        ("32, 349", "32,349", None),
         ("\\frac{3}{-4}", "\\frac{3}{-4}", Fraction(-3, 4)),
         (".75", ".75", Fraction(3, 4)),
         ("1.\\overline{3}", "1.\\overline{3}", Fraction(4, 3)),  # repeating decimals are exact
@@ -54,6 +60,12 @@ def test_normalize_answer(answer, text, value):
     normalized = normalize_answer(answer)
     assert normalized.text == text
     assert normalized.value == value
+
+
+def test_an_answer_written_as_several_boxes_reaches_math_verify_as_one_list():
+    normalized = normalize_answer("$\\boxed{1}$ and $\\boxed{x = 2}$")
+    assert normalized.is_list and normalized.for_math_verify == "1, x = 2"
+    assert not normalize_answer("1,234").is_list and normalize_answer("1, 234").is_list
 
 
 @pytest.mark.parametrize(
@@ -94,6 +106,9 @@ def test_lossy_steps_are_marked(answer, marks):
         ("\\left(0,1\\right]", "(0, 1]"),
         ("5.", "5"),
         ("\\$5", "5"),
+        ("\\frac 3 4", "0.75"),
+        ("\\frac 3 4", "\\frac34"),
+        ("1, 234", "\\boxed{1}, \\boxed{234}"),
     ],
 )
 def test_true_equalities_are_decided_equal(pred, gold):
@@ -103,7 +118,10 @@ def test_true_equalities_are_decided_equal(pred, gold):
 @pytest.mark.parametrize(
     ("pred", "gold"),
     [("0.333", "1/3"), ("2", "-2"), ("12", "1.2"), ("3", "\\frac{1}{3}"), ("0", "1"), ("x=3", "2"),
-     (".0000673", ".0000672"), ("0.0000014", "0.000001"), ("0.08333", "\\frac{1}{12}")],
+     (".0000673", ".0000672"), ("0.0000014", "0.000001"), ("0.08333", "\\frac{1}{12}"), ("\\frac 3 4", "3/5"),
+     # A list is never one number, though both read "1,234" once spaces are gone.
+     ("1,234", "\\boxed{1}, \\boxed{234}"), ("1234", "\\boxed{1}, \\boxed{234}"), ("32,349", "32, 349"),
+     ("32, 349", "32349")],
 )
 def test_plain_number_near_misses_are_decided_unequal(pred, gold):
     assert verdict(pred, gold) is False
