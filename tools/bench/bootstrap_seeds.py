@@ -123,6 +123,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.eval_prompts < 1 or args.eval_samples < 8:
         parser.error("--eval-prompts must be ≥ 1 and --eval-samples ≥ 8 (pass@8 is reported)")
+    from pipeline import configlib
+    from pipeline.config import BootstrapConfig
+
+    try:  # a bad --set fails here, before any cell trains
+        configlib.load(BootstrapConfig, overrides=args.overrides)
+    except configlib.ConfigError as error:
+        parser.error(f"--set: {error}")
     return args
 
 

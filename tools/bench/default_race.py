@@ -157,8 +157,10 @@ def load_mixed_heldout(*, per_level: int) -> list:
     return prompts
 
 
-def run_curation(pool_path: Path, out: Path, *, context) -> dict[str, Any]:
-    """Curate the pool with the demo's curation settings; returns its manifest."""
+def run_curation(pool_path: Path, out: Path, *, context, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Curate the pool with the demo's curation settings and the policy the RL runs start from
+    (``overrides``: the race's ``--set``); returns its manifest."""
+    from pipeline import configlib
     from pipeline.config import RLConfig
     from pipeline.stages.bootstrap import run_bootstrap
     from pipeline.stages.curate import MANIFEST_FILE, run_curate
@@ -166,7 +168,8 @@ def run_curation(pool_path: Path, out: Path, *, context) -> dict[str, Any]:
 
     manifest = out / MANIFEST_FILE
     if not manifest.is_file():
-        policy = run_bootstrap(RLConfig().bootstrap, context=context).directory
+        bootstrap = configlib.load(RLConfig, base=_grpo(steps=1), overrides=list(overrides)).bootstrap
+        policy = run_bootstrap(bootstrap, context=context).directory
         cfg = dataclasses.replace(curate_cpu(), sources=[str(pool_path)], policy=str(policy), output_dir=str(out))
         run_curate(cfg, context=context, out=lambda line: print(f"[curate] {line}", flush=True))
     return json.loads(manifest.read_text())
@@ -271,8 +274,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heldout-per-level", type=int, default=100, help="held-out problems per difficulty 3-5")
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted RLConfig override applied to every method and to the curation's policy "
+                             "(repeatable), e.g. a smaller bootstrap.model")
     parser.add_argument("--out", default="runs/bench/default_race", help="output directory")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    from pipeline import configlib
+    from pipeline.config import RLConfig
+
+    for name in args.methods:  # a bad --set fails here, before any run
+        try:
+            configlib.load(RLConfig, base=METHODS[name].recipe(steps=args.steps), overrides=args.overrides)
+        except configlib.ConfigError as error:
+            parser.error(f"--set ({name}): {error}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -294,12 +309,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     with GradingPool(**_grpo(steps=1).reward.pool_kwargs()) as pool:
         for name in args.methods:
             method = METHODS[name]
-            overrides = [f"data.train={json.dumps([str(pool_path)])}"]
+            overrides = [*args.overrides, f"data.train={json.dumps([str(pool_path)])}"]
             curation_tokens = 0
             if method.curated:
-                curation = curation or run_curation(pool_path, out / "curate", context=context)
+                curation = curation or run_curation(pool_path, out / "curate", context=context,
+                                                    overrides=args.overrides)
                 curation_tokens = int(curation["num_generated_tokens"])
-                overrides = [f"data.train={json.dumps([str(out / 'curate' / 'kept.jsonl')])}",
+                overrides = [*args.overrides, f"data.train={json.dumps([str(out / 'curate' / 'kept.jsonl')])}",
                              f"curation_dir={out / 'curate'}"]
             settings = RaceSettings(out=out, steps=args.steps,
                                     eval_every=args.steps if method.evaluate_at_end_only else args.eval_every,

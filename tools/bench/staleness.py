@@ -4,7 +4,8 @@
     .venv/bin/python -m tools.bench.staleness --seeds 1 --steps 4  # a quick look
 
 Every run is ``recipes.cpu.grpo_cpu`` (GRPO on the demo's bootstrap policy) with nothing changed
-but ``rollout.max_staleness`` and the trainer's torch threads. Three variants:
+but ``rollout.max_staleness`` and the trainer's torch threads (and the ``--set`` dotted
+overrides, the same for every run: a smaller bootstrap policy or batch). Three variants:
 
 ``sync``          ``max_staleness=0`` as a user runs it: engine in the trainer's process, torch's
                   default thread count (all cores), generating between updates.
@@ -44,7 +45,7 @@ BASELINE = "sync"
 
 
 def run_one(variant: str, *, seed: int, steps: int, eval_limit: int, eval_samples: int, out: Path,
-            context) -> dict[str, Any]:
+            context, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """One RL run; its per-step wall time and phases (steps 2..N-1) and its final held-out pass@1."""
     import torch
 
@@ -58,6 +59,7 @@ def run_one(variant: str, *, seed: int, steps: int, eval_limit: int, eval_sample
     run_dir = out / variant / f"seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = configlib.load(RLConfig, base=grpo_cpu(steps=steps), overrides=[
+        *overrides,
         f"seed={seed}", f"rollout.max_staleness={int(variant == 'async')}", f"logging.output_dir={run_dir}",
         f"checkpoint.directory={run_dir}/checkpoints", f"checkpoint.every_steps={steps}", "checkpoint.resume=never",
         "logging.trackers=[]", "logging.progress=false", f"eval_limit={eval_limit}", f"eval_samples={eval_samples}",
@@ -146,10 +148,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-limit", type=int, default=200, help="held-out problems scored at step N")
     parser.add_argument("--eval-samples", type=int, default=4, help="samples per held-out problem")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="variants to run")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted RLConfig override applied to every run (repeatable), e.g. a smaller "
+                             "bootstrap.model; the variant's own settings win")
     parser.add_argument("--out", default="runs/bench/staleness", help="output directory")
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be at least 3 (steps 2..N-1 are timed)")
+    from pipeline import configlib
+    from pipeline.config import RLConfig
+    from recipes.cpu import grpo_cpu
+
+    try:  # a bad --set fails here, before any run
+        configlib.load(RLConfig, base=grpo_cpu(steps=args.steps), overrides=args.overrides)
+    except configlib.ConfigError as error:
+        parser.error(f"--set: {error}")
     return args
 
 
@@ -172,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 result = json.loads(done.read_text())
             else:
                 result = run_one(variant, seed=seed, steps=args.steps, eval_limit=args.eval_limit,
-                                 eval_samples=args.eval_samples, out=out, context=context)
+                                 eval_samples=args.eval_samples, out=out, context=context, overrides=args.overrides)
                 done.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(done, result)
             print(json.dumps(result), flush=True)

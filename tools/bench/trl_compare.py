@@ -239,9 +239,10 @@ def export_base_policy(cfg, *, context, directory: Path):
 def write_prompt_stream(cfg, *, tokenizer, hf_dir: Path, path: Path) -> int:
     """The RL stage's training prompts in winnow's stream order, as TRL dataset rows; returns the row count.
 
-    TRL tokenizes a text prompt with the tokenizer's special tokens added, which for this
-    tokenizer adds none, so the text carries winnow's ``[bos]`` explicitly; the ids are
-    checked against ``prompt_token_ids``.
+    TRL tokenizes a text prompt as ``tokenizer(text=prompts)``, special tokens added by the
+    tokenizer's own settings, and so does winnow (``prompt_token_ids``): the row holds the
+    rendered prompt alone (the exported demo tokenizer prepends ``<bos>`` itself). Every row's
+    ids are checked against ``prompt_token_ids``, through the exported tokenizer TRL loads.
     """
     from transformers import AutoTokenizer
 
@@ -260,9 +261,12 @@ def write_prompt_stream(cfg, *, tokenizer, hf_dir: Path, path: Path) -> int:
     rows = []
     for index in order:
         prompt = prompts[index]
-        text = tokenizer.bos_token + render_prompt(prompt, template=cfg.data.template)
+        text = render_prompt(prompt, template=cfg.data.template, tokenizer=tokenizer)
         expected = prompt_token_ids(tokenizer, prompt, template=cfg.data.template)
-        assert trl_tokenizer(text=[text])["input_ids"][0] == expected, (prompt.id, text)
+        trl_ids = list(trl_tokenizer(text=[text])["input_ids"][0])
+        if trl_ids != expected:
+            raise RuntimeError(f"prompt {prompt.id}: TRL would encode {text!r} as {trl_ids[:12]}…, winnow as "
+                               f"{expected[:12]}…; the two sides would train on different prompts")
         rows.append({"prompt": text, "answer": prompt.answer})
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return len(rows)
