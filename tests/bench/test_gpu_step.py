@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
+FIXTURES = Path(__file__).resolve().parents[2] / "pipeline" / "models" / "published" / "configs"
 
 
 def test_gpu_step_measures_every_component_against_the_plan(tmp_path):

@@ -1,6 +1,6 @@
 """RL from a Qwen3 Hugging Face folder: converted behind the logit gate, trained two steps, exported back.
 
-The folder is the published Qwen3-4B ``config.json`` (``tests/fixtures/model_configs``) with its
+The folder is the published Qwen3-4B ``config.json`` (``pipeline/models/published/configs``) with its
 sizes scaled down to those of the other real-family fixtures (hidden 64, 2 layers) and its heads
 kept wider than hidden / heads (as 4B's 128 > 2560 / 32), random fp32 weights with non-trivial
 q/k norms, and the Qwen2.5 fixture tokenizer (Qwen3 keeps Qwen2.5's byte-level vocabulary).
@@ -16,13 +16,13 @@ import pytest
 
 from tests.distributed_utils import run_distributed
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-TOKENIZER = FIXTURES / "real_models" / "qwen2_5"
+PUBLISHED = Path(__file__).resolve().parents[2] / "pipeline" / "models" / "published" / "configs"
+TOKENIZER = PUBLISHED.parent / "tokenizers" / "qwen2_5"
 
 
 def qwen3_config() -> dict:
     """Qwen3-4B's published config with the sizes scaled down and special ids mapped to the fixture tokenizer."""
-    published = json.loads((FIXTURES / "model_configs" / "Qwen3-4B.json").read_text())
+    published = json.loads((PUBLISHED / "Qwen3-4B.json").read_text())
     ids = {t["content"]: t["id"] for t in json.loads((TOKENIZER / "tokenizer.json").read_text())["added_tokens"]}
     return {**published, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_window_layers": 2,

@@ -12,7 +12,7 @@ from pipeline.cli import build_parser, main
 from pipeline.cli.plan import check_campaign_plan
 from pipeline.errors import EXIT_USER_ERROR, UserError
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
+FIXTURES = Path(__file__).resolve().parents[2] / "pipeline" / "models" / "published" / "configs"
 
 
 def test_plan_prints_the_table_and_a_verdict(capsys):

@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.launch import plan as P
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
-# The model each preset's backbone shares an architecture with (tests/fixtures/model_configs/README.md).
+FIXTURES = Path(__file__).resolve().parents[2] / "pipeline" / "models" / "published" / "configs"
+# The model each preset's backbone shares an architecture with (pipeline/models/published/README.md).
 PRESET_FIXTURES = {
     "qwen25_math_7b": "Qwen2.5-Math-7B", "qwen25_math_7b_instruct": "Qwen2.5-Math-7B",
     "qwen25_math_1p5b": "Qwen2.5-Math-1.5B", "llama31_8b_instruct": "Llama-3.1-8B",

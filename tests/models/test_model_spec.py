@@ -42,8 +42,8 @@ LLAMA31_8B = {
     "vocab_size": 128256,
 }
 
-# The published Qwen3 configs (tests/fixtures/model_configs).
-_FIXTURES = Path(__file__).parents[1] / "fixtures" / "model_configs"
+# The published Qwen3 configs (pipeline/models/published/configs).
+_FIXTURES = Path(__file__).resolve().parents[2] / "pipeline" / "models" / "published" / "configs"
 QWEN3_4B = json.loads((_FIXTURES / "Qwen3-4B.json").read_text())
 QWEN3_8B = json.loads((_FIXTURES / "Qwen3-8B.json").read_text())
 

@@ -13,8 +13,8 @@ from pipeline.config import METHOD_FIELDS, AlgorithmConfig, RLConfig, plain_grpo
 from recipes.campaigns import CAMPAIGNS, h100_rl, qwen25_math_7b
 from recipes.cpu import methods_cpu
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "model_configs"
-# Each H100 campaign's model (tests/fixtures/model_configs/README.md) and the new tokens it generates.
+FIXTURES = Path(__file__).resolve().parents[2] / "pipeline" / "models" / "published" / "configs"
+# Each H100 campaign's model (pipeline/models/published/README.md) and the new tokens it generates.
 H100_MODELS = {"qwen25-math-7b": ("Qwen2.5-Math-7B", 3072), "qwen25-math-1.5b": ("Qwen2.5-Math-1.5B", 3072),
                "llama31-8b": ("Llama-3.1-8B", 4096)}
 PROMPT_POSITIONS = 1024  # what a MATH prompt in the chat template needs, with room to spare

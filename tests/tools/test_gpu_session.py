@@ -24,7 +24,7 @@ def test_the_script_parses_and_documents_its_options():
 
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path):
     cases = [((), "--wheels: no folder given"), (("--wheels", str(tmp_path / "absent")), "--wheels: no folder"),
-             (("--wheels", str(tmp_path), "--configs", "Nope-1B"), "--configs: no tests/fixtures/model_configs/Nope-1B"),
+             (("--wheels", str(tmp_path), "--configs", "Nope-1B"), "--configs: no pipeline/models/published/configs/Nope-1B"),
              (("--frobnicate",), "unknown argument --frobnicate")]
     for args, message in cases:
         result = _run(*args, "--out", str(tmp_path / "out"))

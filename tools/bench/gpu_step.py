@@ -21,7 +21,7 @@ megatron's local modules otherwise), then:
 * **decoding**: ``LocalEngine.generate`` of ``--gen-prompts`` × ``--gen-tokens`` (EOS ignored,
   so every row decodes the full length): generated tokens/s, and its MFU (2·N per token).
 
-    python -m tools.bench.gpu_step --config tests/fixtures/model_configs/Qwen2.5-1.5B-Instruct.json --out runs/bench/gpu
+    python -m tools.bench.gpu_step --config pipeline/models/published/configs/Qwen2.5-1.5B-Instruct.json --out runs/bench/gpu
 
 Writes ``<out>/gpu_step.json``. On a machine without CUDA it runs on the CPU (use a tiny config).
 Each phase prints one ``phase`` line with the seconds since the start as it ends, so a run cut
@@ -235,7 +235,7 @@ def _print(result: dict) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="a published config.json (tests/fixtures/model_configs)")
+    parser.add_argument("--config", required=True, help="a published config.json (pipeline/models/published/configs)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--prompt", type=int, default=128)
