@@ -26,18 +26,21 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(BIN)/winnow demo
 
-# Two passes (docs/testing.md): the single-process tests on two xdist workers, one file per
+# Three passes (docs/testing.md): the single-process tests on two xdist workers, one file per
 # worker at a time (module fixtures are built once), files with slow tests first in the order
 # tests/conftest.py gives them (not xdist's biggest-file-first); then, alone, the tests that
 # already keep both cores busy or share one SLURM dev cluster (the distributed and serial
-# markers). Both passes run even when the first fails, and either failure fails the target.
-PARALLEL_TESTS := -m "not distributed and not serial and not campaign" -n 2 --dist loadfile --no-loadscope-reorder
-SERIAL_TESTS := -m "(distributed or serial) and not campaign"
+# markers); then, alone, the rehearsals of the cluster campaigns (the rehearsal marker).
+# Every pass runs even when an earlier one fails, and any failure fails the target.
+PARALLEL_TESTS := -m "not distributed and not serial and not campaign and not rehearsal" -n 2 --dist loadfile --no-loadscope-reorder
+SERIAL_TESTS := -m "(distributed or serial) and not campaign and not rehearsal"
+REHEARSAL_TESTS := -m "rehearsal and not campaign"
 
 test: install
 	status=0; \
 	$(BIN)/python -m pytest $(PARALLEL_TESTS) || status=$$?; \
 	$(BIN)/python -m pytest $(SERIAL_TESTS) || status=$$?; \
+	$(BIN)/python -m pytest $(REHEARSAL_TESTS) || status=$$?; \
 	exit $$status
 
 test-fast: install

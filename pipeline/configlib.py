@@ -233,6 +233,19 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def to_flat_dict(obj: Any) -> dict[str, Any]:
+    """``to_dict(obj)`` with nested sections flattened to dotted keys (``"optim.lr"``), as overrides name them."""
+
+    def walk(node: Mapping[str, Any], prefix: str) -> typing.Iterator[tuple[str, Any]]:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    return dict(walk(to_dict(obj), ""))
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` → (["a", "b", "c"], value); the value is read as YAML."""
     key, sep, raw = text.partition("=")

@@ -231,7 +231,10 @@ def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run this exact plan here first: a scaled-down model of the same family, gloo ranks "
                              "for GPUs, CPU stand-ins for SGLang, fewer prompts and steps; SIGUSR1 and a killed "
                              "server are played during the rl stages; prints a PASS/FAIL row per stage "
-                             "(docs/launching.md#rehearsal); output under runs/rehearsals/<name> unless --output-dir")
+                             "(docs/launching.md#rehearsal)")
+    parser.add_argument("--rehearsal-dir", default=None,
+                        help="--rehearse: where the rehearsal runs, started afresh (default runs/rehearsals/<name>); "
+                             "--output-dir stays the cluster's root the plan is built for")
     parser.add_argument("--rehearse-events", choices=["on", "off"], default="on",
                         help="--rehearse: play the SIGUSR1 stop and the server kill during the rl stages")
     parser.add_argument("--executor.nodes", dest="executor_nodes", type=int, default=None, metavar="N",
@@ -319,11 +322,15 @@ def _launch(plan, args: argparse.Namespace) -> int:
 
 
 def _rehearse(plan, args: argparse.Namespace, *, profile) -> int:
-    from pipeline.launch.rehearse import run_rehearsal
+    from pipeline.launch.rehearse import RehearsalScale, run_rehearsal
 
     output_dir = args.rehearsal_dir
+    events = args.rehearse_events == "on"
+    # Without the stop event one rl step shows what the checks need (a stream, a gradient); with it, the
+    # stop lands mid-run and the resumed steps are compared with an uninterrupted run.
+    scale = RehearsalScale() if events else RehearsalScale(rl_steps=1)
     report = run_rehearsal(plan, output_dir=output_dir, check_args=args, executor=args.executor, profile=profile,
-                           events=args.rehearse_events == "on")
+                           events=events, scale=scale)
     print(report.format())
     Path(output_dir, "report.txt").write_text(report.format() + "\n")
     return 0 if report.ok else 1
@@ -379,7 +386,7 @@ def _launch_campaign(args: argparse.Namespace) -> int:
         if args.recipe.startswith("cpu"):
             raise UserError(f"--model-dir: the {args.recipe} recipe bootstraps its own policy")
         kwargs["model_dir"] = args.model_dir
-    args.rehearsal_dir = args.output_dir or f"runs/rehearsals/{args.recipe}"
+    args.rehearsal_dir = args.rehearsal_dir or f"runs/rehearsals/{args.recipe}"
     if args.rehearse:
         # The plan is built where the cluster would write it, then moved under the rehearsal's folder.
         kwargs.setdefault("output_dir", f"{args.rehearsal_dir}/campaign")
@@ -395,7 +402,7 @@ def _launch_stage(args: argparse.Namespace) -> int:
     config = configlib.load(CAMPAIGN_STAGE_CONFIGS[args.kind], yaml_path=args.config, overrides=args.overrides)
     ranks = args.ranks_per_node if args.ranks_per_node is not None else max(1, args.gpus_per_node)
     resources = Resources(ranks_per_node=ranks, gpus_per_node=args.gpus_per_node)
-    args.rehearsal_dir = args.output_dir or f"runs/rehearsals/{args.kind}"
+    args.rehearsal_dir = args.rehearsal_dir or f"runs/rehearsals/{args.kind}"
     plan = CampaignPlan(name=args.kind, output_dir=args.output_dir or f"runs/launch/{args.kind}",
                         stages=[Stage(name=args.kind, kind=args.kind, config=config, resources=resources)])
     return _launch(plan, args)

@@ -6,11 +6,12 @@ and ignored, as they tune GPU kernels), loads the Hugging Face folder with ``tra
 (``trust_remote_code`` off) and decodes it with winnow's own ``LocalEngine``. It speaks the
 part of SGLang 0.5.23's HTTP protocol that winnow's client uses, with SGLang's answers:
 
-* ``POST /generate``: a batch of ``input_ids`` with one ``sampling_params`` each; every
-  sample is drawn on its own from its ``sampling_seed`` (as SGLang's deterministic mode
-  does), so a sample depends only on (prompt, seed, weights) whichever server answers it
-  and however requests are batched; ``meta_info.output_token_logprobs`` are the engine's
-  log-probs of the temperature-scaled distribution, the quantity the trainer recomputes.
+* ``POST /generate``: a batch of ``input_ids`` with one ``sampling_params`` each; the
+  samples of one prompt with the same options decode as one batch (one prefill, as SGLang's
+  radix cache shares it), drawn from a seed of their ``sampling_seed`` values, so the same
+  request gets the same samples whichever server answers it (what an exact resume needs);
+  ``meta_info.output_token_logprobs`` are the engine's log-probs of the temperature-scaled
+  distribution, the quantity the trainer recomputes.
 * ``POST /update_weights_from_disk``: loads an HF export (safetensors) into the model.
 * ``POST /init_weights_update_group``, ``/update_weights_from_distributed``,
   ``/destroy_weights_update_group``: joins the trainer's update group (gloo on a CPU) at
@@ -34,6 +35,7 @@ distributed update holds one bucket at a time.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -93,36 +95,45 @@ class StandinModel:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             return 400, {"error": {"message": "sampling_params and input_ids differ in length", "code": 400}}
-        results = []
-        for index, (prompt, sampling) in enumerate(zip(prompts, params)):
-            for copy in range(int(sampling.get("n") or 1)):
-                seed = int(sampling.get("sampling_seed", 42)) + copy
-                try:
-                    options = SamplingParams(
-                        max_new_tokens=int(sampling.get("max_new_tokens", 128)),
-                        temperature=float(sampling.get("temperature", 1.0)),
-                        top_p=float(sampling.get("top_p", 1.0)),
-                        stop_token_ids=tuple(sampling.get("stop_token_ids") or ()),
-                        stop_strings=tuple(sampling.get("stop") or ()),
-                        ignore_eos=bool(sampling.get("ignore_eos", False)),
-                        seed=seed,
-                    )
-                    [completion] = self.engine.generate(
-                        [GenerationRequest(prompt_id=f"r{index}", prompt_token_ids=tuple(prompt), num_samples=1)],
-                        options)
-                except ValueError as error:  # SGLang answers a request it refuses (e.g. too long) with 400
-                    return 400, {"error": {"message": str(error), "code": 400}}
+        # One row per sample, in request order; rows of one prompt with the same options decode as one batch.
+        rows = [(tuple(prompt), sampling, int(sampling.get("sampling_seed", 42)) + copy)
+                for prompt, sampling in zip(prompts, params) for copy in range(int(sampling.get("n") or 1))]
+        groups: dict[tuple, list[int]] = {}
+        for row, (prompt, sampling, _) in enumerate(rows):
+            options = {key: value for key, value in sampling.items() if key not in ("sampling_seed", "n")}
+            groups.setdefault((prompt, json.dumps(options, sort_keys=True)), []).append(row)
+        results: list[dict[str, Any] | None] = [None] * len(rows)
+        for (prompt, _), members in groups.items():
+            sampling = rows[members[0]][1]
+            # The batch's noise is drawn from a seed of all its samples' seeds: the same request (what a
+            # resumed run sends) gets the same samples; a sample sent alone gets another valid draw.
+            digest = hashlib.blake2b(repr([rows[row][2] for row in members]).encode(), digest_size=8).digest()
+            try:
+                options = SamplingParams(
+                    max_new_tokens=int(sampling.get("max_new_tokens", 128)),
+                    temperature=float(sampling.get("temperature", 1.0)),
+                    top_p=float(sampling.get("top_p", 1.0)),
+                    stop_token_ids=tuple(sampling.get("stop_token_ids") or ()),
+                    stop_strings=tuple(sampling.get("stop") or ()),
+                    ignore_eos=bool(sampling.get("ignore_eos", False)),
+                    seed=int.from_bytes(digest, "little") >> 1,
+                )
+                completions = self.engine.generate(
+                    [GenerationRequest(prompt_id="batch", prompt_token_ids=prompt, num_samples=len(members))], options)
+            except ValueError as error:  # SGLang answers a request it refuses (e.g. too long) with 400
+                return 400, {"error": {"message": str(error), "code": 400}}
+            for row, completion in zip(members, completions):
                 tokens = completion.token_ids.tolist()
                 logprobs = completion.logprobs.tolist()
                 finish = ({"type": "stop", "matched": tokens[-1]} if completion.finish_reason == "stop"
                           else {"type": "length", "length": len(tokens)})
-                results.append({
+                results[row] = {
                     "text": "", "output_ids": tokens,
-                    "meta_info": {"id": f"{os.getpid()}-{index}-{copy}", "prompt_tokens": len(prompt),
+                    "meta_info": {"id": f"{os.getpid()}-{row}", "prompt_tokens": len(prompt),
                                   "completion_tokens": len(tokens), "finish_reason": finish,
                                   "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
                                   "weight_version": self.weight_version},
-                })
+                }
         return 200, results if (batched or len(results) > 1) else results[0]
 
     def health_generate(self) -> bool:

@@ -25,13 +25,7 @@ SHARED_ALGORITHM_FIELDS = {"eps_low", "eps_high", "kl_coef", "entropy_coef", "ro
 
 
 def _flat(cfg) -> dict[str, object]:
-    def walk(node, prefix=""):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                yield from walk(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", value
-    return dict(walk(configlib.to_dict(cfg)))
+    return configlib.to_flat_dict(cfg)
 
 
 def _generated_tokens(stage) -> int | None:

@@ -6,14 +6,8 @@ from pipeline import configlib
 from recipes.cpu import RECIPES, d3s_cpu, d3s_cw_cpu, grpo_cpu
 
 
-def _flat(cfg):
-    def walk(node, prefix=""):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                yield from walk(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", value
-    return dict(walk(configlib.to_dict(cfg)))
+def _flat(cfg) -> dict[str, object]:
+    return configlib.to_flat_dict(cfg)
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

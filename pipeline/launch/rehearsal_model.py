@@ -1,0 +1,197 @@
+"""The rehearsal's model: the recipe's own architecture, scaled down in width and depth only.
+
+A campaign rehearsal (:mod:`pipeline.launch.rehearse`) must exercise every context and token
+check at full size, so the model it builds from the recipe's ``config.json`` keeps its
+positions, RoPE (theta and scaling), vocabulary rows, special-token ids, tied or untied
+head, biases and q/k norms; only ``hidden_size``, ``intermediate_size``, the layer count
+and the head counts shrink (heads stay divisible by the recipe's tensor-parallel size).
+
+Where the model folder is not readable here (it lives on the cluster), the published
+``config.json`` of that model shipped in ``pipeline/models/published`` stands in, with the
+family's shipped tokenizer: a small byte-level BPE that carries the family's real special
+tokens, post-processor and chat template; its ids differ from the real ones, and the
+report says so. The real folder's tokenizer is copied when the folder is readable.
+
+A random model answers nothing correctly, so every reward would be 0: curation would keep
+no prompt and no rl step would have a gradient. :func:`fit_answers` therefore fits the
+tiny model briefly to answer the campaign's first prompts as ``\\boxed{gold}`` and stop,
+each prompt seen a different number of times, so that sampled pass rates spread from 0
+to 1 and the rehearsal's curation, rl and evaluation see the mixed rewards a real base
+model gives. It also makes answers short, so a 3,072-token budget costs a few tokens.
+
+Size: at Qwen2.5's 152,064 vocabulary rows and width 64 the untied embedding and head are
+2 × 9.7M parameters (78 MB in fp32); the layers are a few hundred thousand more.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.errors import UserError
+
+PUBLISHED_DIR = Path(__file__).resolve().parents[1] / "models" / "published"
+CONFIGS_DIR = PUBLISHED_DIR / "configs"
+TOKENIZERS_DIR = PUBLISHED_DIR / "tokenizers"
+# Models whose published config is another one's (same architecture and dimensions).
+CONFIG_ALIASES = {
+    "Llama-3.1-8B-Instruct": "Llama-3.1-8B",
+    "OpenMath2-Llama3.1-8B": "Llama-3.1-8B",
+    "Qwen2.5-Math-7B-Instruct": "Qwen2.5-Math-7B",
+    "Qwen3-4B-Instruct-2507": "Qwen3-4B",
+}
+# model_type → the shipped tokenizer of its family (Qwen3 uses Qwen2's vocabulary and chat tokens).
+FAMILY_TOKENIZERS = {"llama": "llama3", "qwen2": "qwen2_5", "qwen3": "qwen2_5"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+HEAD_DIM = 8
+MIN_KV_HEADS = 2
+
+
+@dataclass(slots=True)
+class RehearsalModel:
+    folder: Path  # a Hugging Face folder: config.json, model.safetensors, tokenizer files
+    source: str  # where its config came from
+    changes: list[str] = field(default_factory=list)  # what differs from the recipe's model, for the report
+
+
+def published_config(model_dir: str) -> tuple[dict[str, Any], str]:
+    """The model folder's own ``config.json``, else the shipped published one of the same name."""
+    folder = Path(model_dir)
+    if (folder / "config.json").is_file():
+        return json.loads((folder / "config.json").read_text()), f"{folder}/config.json"
+    name = CONFIG_ALIASES.get(folder.name, folder.name)
+    shipped = CONFIGS_DIR / f"{name}.json"
+    if not shipped.is_file():
+        known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+        raise UserError(f"--model-dir: {model_dir} is not readable here and no published config is shipped for "
+                        f"{folder.name!r} (shipped: {', '.join(known)}); pass --model-dir with the model's folder")
+    return json.loads(shipped.read_text()), f"the published config of {name}"
+
+
+def _special_ids(tokenizer_dir: Path) -> dict[str, int]:
+    added = json.loads((tokenizer_dir / "tokenizer.json").read_text()).get("added_tokens", [])
+    return {token["content"]: token["id"] for token in added}
+
+
+def scaled_config(config: dict[str, Any], *, tensor_parallel: int) -> tuple[dict[str, Any], list[str]]:
+    """``config`` with width, depth and heads scaled down; every other field kept. (config, changes)."""
+    kv_heads = max(MIN_KV_HEADS, tensor_parallel)
+    heads = 2 * kv_heads
+    hidden = HEAD_DIM * heads
+    scaled = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": 2,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    if "head_dim" in config:
+        scaled["head_dim"] = HEAD_DIM
+    if "max_window_layers" in config:
+        scaled["max_window_layers"] = 2
+    if "layer_types" in config:  # Qwen3 lists one attention type per layer
+        scaled["layer_types"] = config["layer_types"][:2]
+    changes = [f"{key} {config.get(key)} -> {value}" for key, value in scaled.items()
+               if key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads")]
+    out = {**config, **scaled, "torch_dtype": "float32"}
+    return out, changes
+
+
+def build_rehearsal_model(model_dir: str, out: Path, *, tensor_parallel: int, seed: int = 0) -> RehearsalModel:
+    """A random same-family model of ``model_dir``'s architecture at ``out`` (an HF folder)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config, source = published_config(model_dir)
+    scaled, changes = scaled_config(config, tensor_parallel=tensor_parallel)
+    out.mkdir(parents=True, exist_ok=True)
+    real = Path(model_dir)
+    if (real / "config.json").is_file() and (real / "tokenizer.json").is_file():
+        tokenizer_dir = real
+        note = f"tokenizer: {real}'s own"
+    else:
+        family = FAMILY_TOKENIZERS.get(config.get("model_type", ""))
+        if family is None:
+            raise UserError(f"--model-dir: no tokenizer is shipped for model_type {config.get('model_type')!r}")
+        tokenizer_dir = TOKENIZERS_DIR / family
+        ids = _special_ids(tokenizer_dir)
+        # The shipped BPE's ids of the family's special tokens replace the published ones.
+        for key, token in (("bos_token_id", "<|begin_of_text|>" if family == "llama3" else "<|endoftext|>"),):
+            if key in scaled and scaled[key] is not None:
+                scaled[key] = ids[token]
+        eos_tokens = (["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"] if family == "llama3"
+                      else ["<|im_end|>"] if isinstance(config.get("eos_token_id"), int) else ["<|im_end|>"])
+        scaled["eos_token_id"] = ([ids[t] for t in eos_tokens] if isinstance(config.get("eos_token_id"), list)
+                                  else ids[eos_tokens[0]])
+        note = (f"tokenizer: the shipped {family} BPE ({len(json.loads((tokenizer_dir / 'tokenizer.json').read_text())['model']['vocab'])} "
+                f"ids; real special tokens and chat template, other ids differ); "
+                f"vocabulary rows kept at {scaled['vocab_size']}")
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, out / name)
+    (out / "config.json").write_text(json.dumps(scaled, indent=2) + "\n")
+    hf_config = AutoConfig.from_pretrained(str(out), local_files_only=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "config.json").write_text(json.dumps(scaled, indent=2) + "\n")  # ours, not transformers' rewrite
+    return RehearsalModel(folder=out, source=source, changes=[*changes, note])
+
+
+def fit_answers(folder: Path, *, problems: list[tuple[str, str]], template: str, steps: int = 80,
+                lr: float = 1e-2, seed: int = 0) -> dict[str, float]:
+    """Fit the model at ``folder`` to answer ``(problem, gold)`` pairs as ``\\boxed{gold}`` + EOS; saved in place.
+
+    Problem ``i`` of ``P`` is in ``ceil(steps · (i + 1) / P)`` of the ``steps`` batches, so the
+    first prompts are barely learned and the last ones well: sampled pass rates spread.
+    The loss is computed on the answer tokens only (the head over the full vocabulary for
+    a few hundred positions, not for every prompt token). Returns the first and last loss.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.data.templates import prompt_token_ids
+
+    config_text = (folder / "config.json").read_text()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True)
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos = eos if eos is not None else model.config.eos_token_id
+    eos_id = eos[0] if isinstance(eos, list) else eos
+    examples = []
+    for problem, gold in problems:
+        prompt = prompt_token_ids(tokenizer, problem, template=template)
+        answer = tokenizer(f"The answer is \\boxed{{{gold}}}.", add_special_tokens=False)["input_ids"] + [eos_id]
+        examples.append((prompt, answer))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    count = len(examples)
+    for step in range(steps):
+        # Problem i joins the batches from step steps·(1 − (i+1)/P) on: the later, the fewer.
+        batch = [examples[i] for i in range(count) if step >= steps * (1 - (i + 1) / count)]
+        if not batch:
+            continue
+        width = max(len(prompt) + len(answer) for prompt, answer in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)  # (B, T), right-padded
+        mask = torch.zeros(len(batch), width, dtype=torch.long)  # (B, T)
+        rows, positions, targets = [], [], []
+        for row, (prompt, answer) in enumerate(batch):
+            sequence = prompt + answer
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            mask[row, : len(sequence)] = 1
+            rows += [row] * len(answer)
+            positions += range(len(prompt) - 1, len(sequence) - 1)  # each predicts the next, an answer token
+            targets += answer
+        optimizer.zero_grad()
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, H)
+        logits = model.lm_head(hidden[torch.tensor(rows), torch.tensor(positions)])  # (A, V): answer tokens only
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(targets))
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    (folder / "config.json").write_text(config_text)  # the scaled published config, not transformers' rewrite
+    return {"first_loss": losses[0] if losses else math.nan, "last_loss": losses[-1] if losses else math.nan}

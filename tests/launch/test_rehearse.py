@@ -1,0 +1,105 @@
+"""The rehearsal's pieces: the scaled model keeps what every check reads, the plan changes only what it states."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import UserError
+from pipeline.launch.rehearsal_model import CONFIGS_DIR, build_rehearsal_model, published_config, scaled_config
+from pipeline.launch.rehearse import (
+    RehearsalScale,
+    metric_rows,
+    model_dir_of,
+    rebased,
+    rehearsal_plan,
+    unread_artifacts,
+    with_model,
+)
+from recipes.campaigns import llama31_8b, qwen25_math_7b
+
+KEPT = ("max_position_embeddings", "vocab_size", "rope_theta", "rope_scaling", "tie_word_embeddings", "model_type",
+        "architectures", "rms_norm_eps")
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-Math-7B", "Llama-3.1-8B", "Qwen3-4B"])
+def test_the_scaled_config_keeps_positions_rope_vocabulary_and_family(name: str) -> None:
+    config = json.loads((CONFIGS_DIR / f"{name}.json").read_text())
+    scaled, changes = scaled_config(config, tensor_parallel=4)
+    assert {key: scaled.get(key) for key in KEPT} == {key: config.get(key) for key in KEPT}
+    assert scaled["num_key_value_heads"] % 4 == 0 and scaled["num_attention_heads"] % 4 == 0
+    assert scaled["hidden_size"] < config["hidden_size"] and scaled["num_hidden_layers"] == 2
+    assert any(change.startswith("hidden_size") for change in changes)
+
+
+def test_a_model_folder_that_is_not_here_uses_the_published_config_of_its_name(tmp_path: Path) -> None:
+    config, source = published_config("/cluster/models/Llama-3.1-8B-Instruct")
+    assert config["max_position_embeddings"] == 131072 and "Llama-3.1-8B" in source
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 7}))
+    assert published_config(str(tmp_path / "mine"))[0]["vocab_size"] == 7  # a readable folder wins
+    with pytest.raises(UserError, match="no published config is shipped for 'Mystery-9B'"):
+        published_config("/models/Mystery-9B")
+
+
+def test_the_rehearsal_model_keeps_the_family_tokens_and_loads_in_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = build_rehearsal_model("/models/Qwen2.5-Math-7B", tmp_path / "m", tensor_parallel=4)
+    loaded = AutoModelForCausalLM.from_pretrained(str(model.folder), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(model.folder), local_files_only=True)
+    assert type(loaded).__name__ == "Qwen2ForCausalLM" and loaded.config.vocab_size == 152064
+    assert loaded.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert "<|im_start|>" in tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}], tokenize=False)
+    assert any("ids differ" in change for change in model.changes)
+
+
+def test_the_rehearsal_plan_changes_only_hardware_servers_and_volumes(tmp_path: Path) -> None:
+    plan = llama31_8b(output_dir=tmp_path / "cluster")
+    source = model_dir_of(plan)
+    assert source == "/models/Llama-3.1-8B-Instruct"
+    moved = with_model(rebased(plan, tmp_path / "campaign"), model_dir=source, folder=tmp_path / "model")
+    assert source not in json.dumps(moved.to_dict()) and str(tmp_path / "cluster") not in json.dumps(moved.to_dict())
+    rehearsed, changes = rehearsal_plan(moved, scale=RehearsalScale(), request_logs=tmp_path / "requests")
+    for before, after in zip(moved.stages, rehearsed.stages):
+        assert (after.name, after.kind, after.depends_on) == (before.name, before.kind, before.depends_on)
+        assert after.resources.gpus_per_node == 0 and after.resources.nodes == 1
+        if after.kind == "rl":
+            assert after.config.parallel == before.config.parallel or after.config.parallel.backend == "gloo"
+            assert after.config.parallel.tensor_parallel == 4 and after.resources.num_ranks == 4
+            assert after.config.max_new_tokens == before.config.max_new_tokens  # context is never scaled
+            assert after.config.rollout.sync == "distributed"  # the cluster's transport
+            assert any(note.startswith("DP 4 -> 1") for note in changes[after.name])
+        if after.kind in ("curate", "evaluate"):
+            budget = after.config.max_new_tokens if after.kind == "curate" else after.config.eval.max_new_tokens
+            before_budget = (before.config.max_new_tokens if after.kind == "curate"
+                             else before.config.eval.max_new_tokens)
+            assert budget == before_budget and after.config.device == "cpu"
+        servers = after.resources.rollout
+        if servers is not None:
+            assert (servers.server, servers.colocated, servers.tensor_parallel) == ("standin", True, 1)
+            assert servers.extra_args[-2:] == ["--request-log", str(tmp_path / "requests" / f"{after.name}.jsonl")]
+            assert any("CPU stand-ins" in note for note in changes[after.name])
+
+
+def test_a_trained_artifact_nobody_reads_is_found(tmp_path: Path) -> None:
+    plan = qwen25_math_7b(output_dir=tmp_path)
+    assert unread_artifacts(plan) == []
+    orphan = plan.with_overrides([]).stages
+    estimator_free = [s for s in orphan if s.kind != "evaluate" or s.name != "evaluate-grpo"]
+    from pipeline.launch.campaign import CampaignPlan
+
+    without_readers = CampaignPlan(name="x", output_dir=tmp_path, stages=[
+        s for s in estimator_free if s.name not in ("evaluate-grpo", "export-grpo")])
+    assert unread_artifacts(without_readers) == [
+        f"rl-grpo writes {tmp_path}/rl/grpo/checkpoints, which no later stage reads"]
+
+
+def test_metric_rows_drop_timing_and_keep_the_last_row_of_each_step(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "grad_norm": 1.0, "time/update": 3.0}, {"step": 2, "grad_norm": 0.5, "time/update": 1.0},
+            {"step": 2, "grad_norm": 0.5, "time/update": 9.0}, {"step": 0, "eval/pass@1": 0.1}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert metric_rows(path) == [{"step": 1, "grad_norm": 1.0}, {"step": 2, "grad_norm": 0.5}]
