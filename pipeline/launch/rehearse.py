@@ -54,6 +54,8 @@ from pipeline.launch.rehearsal_model import RehearsalModel, build_rehearsal_mode
 # Metrics columns that differ between two runs of the same steps for reasons of time, not of content.
 TIMING_PREFIXES = ("time/", "rollout/seconds", "throughput", "mfu")
 TIMING_KEYS = frozenset({"wall_s", "elapsed_s", "timestamp", "time"})
+# The first stand-in port; each stage with servers gets ports of its own from here on.
+FIRST_PORT = 31000
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +165,12 @@ def _scaled(config: dict[str, Any], path: str, value: Any, notes: list[str]) -> 
         target[key] = value
 
 
-def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path) -> tuple[Stage, list[str]]:
+def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path, port: int
+                    ) -> tuple[Stage, list[str]]:
     """One stage as the rehearsal runs it, and what changed (the report's ``scaled`` column).
 
-    Its stand-in servers log each request to ``request_logs/<stage>.jsonl``.
+    Its stand-in servers listen from ``port`` on (stages a cluster runs at once, on nodes of their
+    own, share the one node here) and log each request to ``request_logs/<stage>.jsonl``.
     """
     config = configlib.to_dict(stage.config)
     resources = configlib.to_dict(stage.resources)
@@ -210,6 +214,7 @@ def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path) 
         _cpu(config, notes)
     _scale_resources(resources, ranks=ranks, scale=scale, notes=notes)
     if resources.get("rollout") is not None:
+        resources["rollout"]["port"] = port
         resources["rollout"]["extra_args"] = [*resources["rollout"]["extra_args"], "--request-log",
                                               str(request_logs / f"{stage.name}.jsonl")]
     kind_config = type(stage.config)
@@ -224,8 +229,9 @@ def rehearsal_plan(plan: CampaignPlan, *, scale: RehearsalScale, request_logs: P
     """Every stage of ``plan`` as the rehearsal runs it (model paths already replaced), with the changes."""
     request_logs.mkdir(parents=True, exist_ok=True)
     stages, changes = [], {}
-    for stage in plan.stages:
-        rehearsed, notes = rehearsal_stage(stage, scale=scale, request_logs=request_logs)
+    for index, stage in enumerate(plan.stages):
+        first_port = FIRST_PORT + index * scale.servers_per_node
+        rehearsed, notes = rehearsal_stage(stage, scale=scale, request_logs=request_logs, port=first_port)
         stages.append(rehearsed)
         changes[stage.name] = notes
     return CampaignPlan(name=f"{plan.name}-rehearsal", output_dir=plan.output_dir, stages=stages), changes

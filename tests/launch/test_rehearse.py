@@ -63,6 +63,9 @@ def test_the_rehearsal_plan_changes_only_hardware_servers_and_volumes(tmp_path: 
     moved = with_model(rebased(plan, tmp_path / "campaign"), model_dir=source, folder=tmp_path / "model")
     assert source not in json.dumps(moved.to_dict()) and str(tmp_path / "cluster") not in json.dumps(moved.to_dict())
     rehearsed, changes = rehearsal_plan(moved, scale=RehearsalScale(), request_logs=tmp_path / "requests")
+    served = [stage.resources.rollout for stage in rehearsed.stages if stage.resources.rollout is not None]
+    ports = [server.port + i for server in served for i in range(server.servers_per_node)]
+    assert len(ports) == len(set(ports))  # stages the cluster runs at once share this one node
     for before, after in zip(moved.stages, rehearsed.stages):
         assert (after.name, after.kind, after.depends_on) == (before.name, before.kind, before.depends_on)
         assert after.resources.gpus_per_node == 0 and after.resources.nodes == 1
@@ -85,14 +88,12 @@ def test_the_rehearsal_plan_changes_only_hardware_servers_and_volumes(tmp_path: 
 
 
 def test_a_trained_artifact_nobody_reads_is_found(tmp_path: Path) -> None:
-    plan = qwen25_math_7b(output_dir=tmp_path)
-    assert unread_artifacts(plan) == []
-    orphan = plan.with_overrides([]).stages
-    estimator_free = [s for s in orphan if s.kind != "evaluate" or s.name != "evaluate-grpo"]
     from pipeline.launch.campaign import CampaignPlan
 
+    plan = qwen25_math_7b(output_dir=tmp_path)
+    assert unread_artifacts(plan) == []
     without_readers = CampaignPlan(name="x", output_dir=tmp_path, stages=[
-        s for s in estimator_free if s.name not in ("evaluate-grpo", "export-grpo")])
+        s for s in plan.stages if s.name not in ("evaluate-grpo", "export-grpo")])
     assert unread_artifacts(without_readers) == [
         f"rl-grpo writes {tmp_path}/rl/grpo/checkpoints, which no later stage reads"]
 
