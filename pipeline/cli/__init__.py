@@ -250,7 +250,8 @@ def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
     from pipeline.cli.plan import add_cluster_arguments
 
     parser.add_argument("--force", action="store_true",
-                        help="launch even when the plan refuses a stage (context of a generating stage, memory of a GPU rl stage)")
+                        help="launch even when the plan refuses a stage (context of a generating stage, memory of a "
+                             "GPU rl stage)")
     add_cluster_arguments(parser, with_nodes=False)
 
 
@@ -322,6 +323,7 @@ def _launch(plan, args: argparse.Namespace) -> int:
 
 
 def _rehearse(plan, args: argparse.Namespace, *, profile) -> int:
+    from pipeline.cli.plan import check_campaign_plan
     from pipeline.launch.rehearse import RehearsalScale, run_rehearsal
 
     output_dir = args.rehearsal_dir
@@ -329,8 +331,9 @@ def _rehearse(plan, args: argparse.Namespace, *, profile) -> int:
     # Without the stop event one rl step shows what the checks need (a stream, a gradient); with it, the
     # stop lands mid-run and the resumed steps are compared with an uninterrupted run.
     scale = RehearsalScale() if events else RehearsalScale(rl_steps=1)
-    report = run_rehearsal(plan, output_dir=output_dir, check_args=args, executor=args.executor, profile=profile,
-                           events=events, scale=scale)
+    report = run_rehearsal(plan, output_dir=output_dir, executor=args.executor, profile=profile, events=events,
+                           scale=scale, check_plan=lambda full_size: check_campaign_plan(
+                               full_size, args, out=lambda line: print(f"  {line}")))
     print(report.format())
     Path(output_dir, "report.txt").write_text(report.format() + "\n")
     return 0 if report.ok else 1

@@ -125,14 +125,15 @@ def build_rehearsal_model(model_dir: str, out: Path, *, tensor_parallel: int, se
                       else ["<|im_end|>"] if isinstance(config.get("eos_token_id"), int) else ["<|im_end|>"])
         scaled["eos_token_id"] = ([ids[t] for t in eos_tokens] if isinstance(config.get("eos_token_id"), list)
                                   else ids[eos_tokens[0]])
-        note = (f"tokenizer: the shipped {family} BPE ({len(json.loads((tokenizer_dir / 'tokenizer.json').read_text())['model']['vocab'])} "
+        shipped_ids = len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+        note = (f"tokenizer: the shipped {family} BPE ({shipped_ids} "
                 f"ids; real special tokens and chat template, other ids differ); "
                 f"vocabulary rows kept at {scaled['vocab_size']}")
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copyfile(tokenizer_dir / name, out / name)
     (out / "config.json").write_text(json.dumps(scaled, indent=2) + "\n")
-    hf_config = AutoConfig.from_pretrained(str(out), local_files_only=True)
+    hf_config = AutoConfig.from_pretrained(str(out), local_files_only=True, trust_remote_code=False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
@@ -154,8 +155,9 @@ def fit_answers(folder: Path, *, problems: list[tuple[str, str]], template: str,
     from pipeline.data.templates import prompt_token_ids
 
     config_text = (folder / "config.json").read_text()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True,
+                                                 trust_remote_code=False)
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos = eos if eos is not None else model.config.eos_token_id
     eos_id = eos[0] if isinstance(eos, list) else eos

@@ -300,8 +300,8 @@ def check_stage(stage: Stage, plan: CampaignPlan) -> None:
     elif stage.kind == "export":
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(cfg.out, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(cfg.out, local_files_only=True)
+        config = AutoConfig.from_pretrained(cfg.out, local_files_only=True, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(cfg.out, local_files_only=True, trust_remote_code=False)
         expected = (config.architectures or [""])[0]
         assert type(model).__name__ == expected, f"the export reloads as {type(model).__name__}, not {expected}"
 
@@ -443,14 +443,14 @@ def rebased(plan: CampaignPlan, root: Path) -> CampaignPlan:
     return CampaignPlan(name=moved.name, output_dir=root, stages=moved.stages)
 
 
-def run_rehearsal(plan: CampaignPlan, *, output_dir: str | Path, check_args, executor: str = "local",
-                  profile=None, scale: RehearsalScale = RehearsalScale(), events: bool = True,
-                  out: Callable[[str], Any] = print) -> RehearsalReport:
+def run_rehearsal(plan: CampaignPlan, *, output_dir: str | Path, check_plan: Callable[[CampaignPlan], None],
+                  executor: str = "local", profile=None, scale: RehearsalScale = RehearsalScale(),
+                  events: bool = True, out: Callable[[str], Any] = print) -> RehearsalReport:
     """Rehearse ``plan`` (a recipe's campaign or one stage) under ``output_dir``; the report.
 
-    ``check_args``: the launch command's arguments, for the plan check it makes.
+    ``check_plan``: the check `winnow launch` makes before it submits (it raises a ``UserError``
+    to refuse), run here on the full-size plan.
     """
-    from pipeline.cli.plan import check_campaign_plan
     from pipeline.data.sources import load_prompts
     from pipeline.launch.nemo import LaunchOptions, launch_campaign
 
@@ -468,7 +468,7 @@ def run_rehearsal(plan: CampaignPlan, *, output_dir: str | Path, check_args, exe
     # 1. The checks `winnow launch` makes, at full size, against the model's (published) config.
     published = published_model_folder(source, root / "published" / Path(source).name)
     full_size = with_model(plan, model_dir=source, folder=published)
-    check_campaign_plan(full_size, check_args, out=lambda line: out(f"  {line}"))
+    check_plan(full_size)
     unread = unread_artifacts(plan)
     if unread:
         raise UserError("the campaign trains what nothing reads: " + "; ".join(unread))
@@ -561,7 +561,8 @@ def _check_resume(plan: CampaignPlan, name: str, report: RehearsalReport, *, opt
     resumed = metric_rows(Path(plan.stage(name).config.logging.output_dir) / "metrics.jsonl")
     control = metric_rows(control_run(plan, name, options=options, out=out))
     if resumed != control:
-        differing = sorted({key for a, b in zip(resumed, control) for key in set(a) | set(b) if a.get(key) != b.get(key)})
+        differing = sorted({key for a, b in zip(resumed, control) for key in set(a) | set(b)
+                            if a.get(key) != b.get(key)})
         row.state = "FAIL"
         row.error = (f"the resumed rows differ from an uninterrupted run ({len(resumed)} vs {len(control)} rows; "
                      f"columns {differing[:5]})")

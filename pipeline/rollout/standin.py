@@ -65,7 +65,8 @@ class StandinModel:
 
         from pipeline.rollout.local import LocalEngine
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True,
+                                                          trust_remote_code=False)
         self.engine = LocalEngine(self.model, max_batch_rows=64, show_progress=False)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
         self.port = port
@@ -281,8 +282,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200 if ok else 400, {"success": ok, "message": message})
 
 
-def serve_standin(*, model_path: str, host: str, port: int, weight_version: str = DEFAULT_WEIGHT_VERSION, request_log: str | None = None,
-                  out=print) -> None:
+def serve_standin(*, model_path: str, host: str, port: int, weight_version: str = DEFAULT_WEIGHT_VERSION,
+                  request_log: str | None = None, out=print) -> None:
     """Load ``model_path`` and answer SGLang's protocol on ``host:port`` until the process is killed."""
     torch.set_num_threads(1)  # one core per server: a rehearsal runs several beside the trainer ranks
     served = StandinModel(model_path, port=port, weight_version=weight_version, request_log=request_log)
