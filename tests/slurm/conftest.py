@@ -59,3 +59,11 @@ def launch_profile_file(launch_profile, tmp_path_factory: pytest.TempPathFactory
     path = tmp_path_factory.mktemp("profiles") / "session-dev.yaml"
     path.write_text(configlib.dump_yaml(launch_profile))
     return path
+
+
+@pytest.fixture(autouse=True)
+def _no_stdin(monkeypatch):
+    """nemo-run's shell calls read stdin; under pytest it is captured."""
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", open("/dev/null"))

@@ -1,9 +1,10 @@
 """Stages and campaigns launched through NeMo-Run's SlurmExecutor onto the real dev cluster.
 
-A 2-rank CPU RL run under torchrun (``winnow launch stage rl``); a campaign whose second
-stage waits on the first, relaunched to skip both; a failing first stage whose
+A 2-rank CPU RL run under torchrun (``winnow launch stage rl``); a failing first stage whose
 dependents SLURM cancels (``--kill-on-invalid-dep``) while ``winnow launch campaign``
-exits non-zero. SIGUSR1 mid-run (checkpoint, exit 75, requeue, resume) is in
+exits non-zero. A whole campaign DAG run in order through ``--dependency=afterok`` (two
+branches at once) is the rehearsal's (``test_rehearsal_slurm.py``); a relaunch that skips
+the stages done, ``tests/launch/test_launch_local.py``. SIGUSR1 mid-run (checkpoint, exit 75, requeue, resume) is in
 ``test_slurm_requeue.py``, in one job with a killed task.
 
 Runtime on 2 cores: 12-62 s per test idle, up to 2 min loaded (each job imports torch and
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,23 +22,16 @@ import pytest
 from pipeline import configlib
 from pipeline.cli import main as winnow
 from pipeline.config import RLConfig
-from pipeline.launch.campaign import CampaignPlan, CampaignStatus, Stage
-from pipeline.launch.nemo import EXPERIMENTS_DIR, LaunchOptions, launch_campaign
-from pipeline.stages.bootstrap import config_hash
+from pipeline.launch.campaign import CampaignStatus
+from pipeline.launch.nemo import EXPERIMENTS_DIR
 from recipes.campaigns import _tiny_rl, cpu_tiny_campaign
 from recipes.cpu import grpo_cpu
-from recipes.stages import bootstrap_cpu, evaluate_cpu
+from recipes.stages import bootstrap_cpu
 from tests.slurm.cluster import START_BUDGET_S
 
 # serial: one dev cluster for the session, started by the first test that asks for it, and
 # timings (signal leads, requeue waits) that a second worker competing for the cores would skew.
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
-
-
-@pytest.fixture(autouse=True)
-def _no_stdin(monkeypatch):
-    # nemo-run's shell calls read stdin; under pytest it is captured.
-    monkeypatch.setattr(sys, "stdin", open("/dev/null"))
 
 
 def _tiny_rl_config(tmp: Path, *, steps: int, cache: Path):
@@ -89,31 +82,6 @@ def test_two_rank_rl_stage_runs_under_torchrun(launch_profile_file, bootstrap_ca
     assert (job["NumCPUs"], job["CPUs/Task"]) == ("2", "2"), job
 
 
-@pytest.mark.timeout(START_BUDGET_S + 400)
-def test_campaign_with_a_dependency_runs_in_order_and_relaunch_skips_it(launch_profile, tmp_path):
-    boot = bootstrap_cpu(tiny=True, cache_dir=str(tmp_path / "cache"))
-    entry = tmp_path / "cache" / config_hash(boot)
-    evaluate = dataclasses.replace(evaluate_cpu(tiny=True), policy=str(entry), output_dir=str(tmp_path / "eval"))
-    plan = CampaignPlan(name="dep", output_dir=tmp_path, stages=[
-        Stage(name="bootstrap", kind="bootstrap", config=boot),
-        Stage(name="evaluate", kind="evaluate", config=evaluate, depends_on=("bootstrap",)),
-    ])
-    options = LaunchOptions(executor="slurm", profile=launch_profile, poll_s=1)
-    result = launch_campaign(plan, options=options)
-    assert result.ok, _logs(tmp_path)
-    results = json.loads((tmp_path / "eval" / "results.json").read_text())
-    assert results["benchmarks"], results
-    records = CampaignStatus(tmp_path).read()
-    # The evaluate job started only after the bootstrap job had finished (afterok).
-    assert records["evaluate"]["started"] >= records["bootstrap"]["finished"]
-    assert records["bootstrap"]["job_id"] != records["evaluate"]["job_id"]
-    # Relaunching skips both stages and submits nothing.
-    again = launch_campaign(plan, options=options)
-    assert again.skipped == ("bootstrap", "evaluate") and again.ok
-    assert CampaignStatus(tmp_path).read()["evaluate"]["attempts"] == 1
-
-
-@pytest.mark.timeout(START_BUDGET_S + 300)
 def test_failed_stage_cancels_its_dependents_and_the_launcher_exits_nonzero(launch_profile_file, tmp_path, capsys):
     missing = tmp_path / "missing.jsonl"
     code = winnow(["launch", "campaign", "--recipe", "cpu-tiny", "--executor", "slurm", "--profile",

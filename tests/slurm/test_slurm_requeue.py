@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -35,12 +34,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 FINAL_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "TIMEOUT"}
-
-
-@pytest.fixture(autouse=True)
-def _no_stdin(monkeypatch):
-    # nemo-run's shell calls read stdin; under pytest it is captured.
-    monkeypatch.setattr(sys, "stdin", open("/dev/null"))
 
 
 def _submit(stage: Stage, *, tmp_path: Path, profile) -> int:
