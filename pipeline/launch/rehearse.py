@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -54,8 +55,30 @@ from pipeline.launch.rehearsal_model import RehearsalModel, build_rehearsal_mode
 # Metrics columns that differ between two runs of the same steps for reasons of time, not of content.
 TIMING_PREFIXES = ("time/", "rollout/seconds", "throughput", "mfu")
 TIMING_KEYS = frozenset({"wall_s", "elapsed_s", "timestamp", "time"})
-# The first stand-in port; each stage with servers gets ports of its own from here on.
+# Where a rehearsal looks for its stand-ins' ports: a free block per rehearsal (several may run on one
+# machine), each stage with servers a range of its own in it (stages a cluster runs at once share this node).
 FIRST_PORT = 31000
+LAST_PORT = 60000
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(count: int) -> int:
+    """The first port of ``count`` free consecutive ports; the search starts at a place of this process's own."""
+    span = LAST_PORT - FIRST_PORT - count
+    start = FIRST_PORT + (os.getpid() * 97) % span
+    for offset in range(0, span, count):
+        base = FIRST_PORT + (start - FIRST_PORT + offset) % span
+        if all(_port_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError(f"no {count} free consecutive ports between {FIRST_PORT} and {LAST_PORT}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,14 +247,17 @@ def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path, 
     return rehearsed, notes
 
 
-def rehearsal_plan(plan: CampaignPlan, *, scale: RehearsalScale, request_logs: Path
+def rehearsal_plan(plan: CampaignPlan, *, scale: RehearsalScale, request_logs: Path, first_port: int = FIRST_PORT
                    ) -> tuple[CampaignPlan, dict[str, list[str]]]:
-    """Every stage of ``plan`` as the rehearsal runs it (model paths already replaced), with the changes."""
+    """Every stage of ``plan`` as the rehearsal runs it (model paths already replaced), with the changes.
+
+    Stage ``i``'s stand-ins listen from ``first_port + i × scale.servers_per_node`` on.
+    """
     request_logs.mkdir(parents=True, exist_ok=True)
     stages, changes = [], {}
     for index, stage in enumerate(plan.stages):
-        first_port = FIRST_PORT + index * scale.servers_per_node
-        rehearsed, notes = rehearsal_stage(stage, scale=scale, request_logs=request_logs, port=first_port)
+        stage_port = first_port + index * scale.servers_per_node
+        rehearsed, notes = rehearsal_stage(stage, scale=scale, request_logs=request_logs, port=stage_port)
         stages.append(rehearsed)
         changes[stage.name] = notes
     return CampaignPlan(name=f"{plan.name}-rehearsal", output_dir=plan.output_dir, stages=stages), changes
@@ -402,7 +428,7 @@ def _first_line(text: str | None) -> str:
     return (text or "").strip().splitlines()[0][:200] if (text or "").strip() else ""
 
 
-def control_run(plan: CampaignPlan, name: str, *, options, out: Callable[[str], Any]) -> Path:
+def control_run(plan: CampaignPlan, name: str, *, port: int, options, out: Callable[[str], Any]) -> Path:
     """Run ``name`` again, alone and uninterrupted, into folders of its own; its metrics file."""
     from pipeline.launch.nemo import launch_campaign
 
@@ -417,8 +443,7 @@ def control_run(plan: CampaignPlan, name: str, *, options, out: Callable[[str], 
         rollout=dataclasses.replace(cfg.rollout, weights_dir=None))
     resources = stage.resources
     if resources.rollout is not None:  # its own servers, on other ports than the campaign's
-        resources = dataclasses.replace(resources, rollout=dataclasses.replace(
-            resources.rollout, port=resources.rollout.port + 100))
+        resources = dataclasses.replace(resources, rollout=dataclasses.replace(resources.rollout, port=port))
     control = CampaignPlan(name=f"{plan.name}-control", output_dir=root, stages=[
         Stage(name=name, kind=stage.kind, config=control_cfg, resources=resources)])
     result = launch_campaign(control, options=options, out=out)
@@ -497,8 +522,11 @@ def run_rehearsal(plan: CampaignPlan, *, output_dir: str | Path, check_plan: Cal
     report.model = model
 
     # 3. The plan the rehearsal runs.
+    # One port block: every stage's stand-ins, then the control run's.
+    first_port = free_port_block((len(plan.stages) + 1) * scale.servers_per_node)
+    control_port = first_port + len(plan.stages) * scale.servers_per_node
     rehearsed, changes = rehearsal_plan(with_model(plan, model_dir=source, folder=model_folder), scale=scale,
-                                        request_logs=root / "requests")
+                                        request_logs=root / "requests", first_port=first_port)
     report.rows = {stage.name: StageRow(name=stage.name, kind=stage.kind, scaled=changes[stage.name])
                    for stage in rehearsed.order()}
     options = LaunchOptions(executor=executor, profile=profile, wait=True, poll_s=2.0)
@@ -542,14 +570,16 @@ def run_rehearsal(plan: CampaignPlan, *, output_dir: str | Path, check_plan: Cal
         except (AssertionError, OSError, ValueError, KeyError) as error:
             row.state, row.error = "FAIL", _first_line(f"{type(error).__name__}: {error}")
     if stop_stage and report.rows[stop_stage].state == "PASS":
-        _check_resume(rehearsed, stop_stage, report, options=options, played=stop_stage in player.played, out=out)
+        _check_resume(rehearsed, stop_stage, report, options=options, played=stop_stage in player.played,
+                      port=control_port, out=out)
     if kill_stage and report.rows[kill_stage].state == "PASS":
         _check_restart(rehearsed, kill_stage, report, played=kill_stage in player.played)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _check_resume(plan: CampaignPlan, name: str, report: RehearsalReport, *, options, played: bool, out) -> None:
+def _check_resume(plan: CampaignPlan, name: str, report: RehearsalReport, *, options, played: bool, port: int,
+                  out) -> None:
     row = report.rows[name]
     status = CampaignStatus(plan.output_dir).read().get(name, {})
     if not played:
@@ -559,7 +589,7 @@ def _check_resume(plan: CampaignPlan, name: str, report: RehearsalReport, *, opt
         row.state, row.error = "FAIL", "SIGUSR1 did not stop the stage (it finished in one attempt)"
         return
     resumed = metric_rows(Path(plan.stage(name).config.logging.output_dir) / "metrics.jsonl")
-    control = metric_rows(control_run(plan, name, options=options, out=out))
+    control = metric_rows(control_run(plan, name, port=port, options=options, out=out))
     if resumed != control:
         differing = sorted({key for a, b in zip(resumed, control) for key in set(a) | set(b)
                             if a.get(key) != b.get(key)})

@@ -104,3 +104,17 @@ def test_metric_rows_drop_timing_and_keep_the_last_row_of_each_step(tmp_path: Pa
             {"step": 2, "grad_norm": 0.5, "time/update": 9.0}, {"step": 0, "eval/pass@1": 0.1}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert metric_rows(path) == [{"step": 1, "grad_norm": 1.0}, {"step": 2, "grad_norm": 0.5}]
+
+
+def test_a_port_block_holds_only_free_ports_and_skips_a_taken_one() -> None:
+    import socket
+
+    from pipeline.launch.rehearse import _port_free, free_port_block
+
+    base = free_port_block(6)
+    assert all(_port_free(base + i) for i in range(6))
+    with socket.socket() as taken:
+        taken.bind(("", base + 3))
+        taken.listen()
+        other = free_port_block(6)
+        assert not base + 3 in range(other, other + 6)
