@@ -34,7 +34,7 @@ demo: install
 # Every pass runs even when an earlier one fails, and any failure fails the target.
 PARALLEL_TESTS := -m "not distributed and not serial and not campaign and not rehearsal" -n 2 --dist loadfile --no-loadscope-reorder
 SERIAL_TESTS := -m "(distributed or serial) and not campaign and not rehearsal"
-REHEARSAL_TESTS := -m "rehearsal and not campaign" -n 2 --dist load
+REHEARSAL_TESTS := -m "rehearsal and not campaign" -n 2 --dist loadfile
 
 test: install
 	status=0; \
