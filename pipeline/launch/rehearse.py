@@ -55,6 +55,7 @@ from pipeline.launch.rehearsal_model import RehearsalModel, build_rehearsal_mode
 # Metrics columns that differ between two runs of the same steps for reasons of time, not of content.
 TIMING_PREFIXES = ("time/", "rollout/seconds", "throughput", "mfu")
 TIMING_KEYS = frozenset({"wall_s", "elapsed_s", "timestamp", "time"})
+CONTROL_SUFFIX = "-control"  # the uninterrupted copy of the stage the stop event is played on
 # Where a rehearsal looks for its stand-ins' ports: a free block per rehearsal (several may run on one
 # machine), each stage with servers a range of its own in it (stages a cluster runs at once share this node).
 FIRST_PORT = 31000
@@ -428,28 +429,28 @@ def _first_line(text: str | None) -> str:
     return (text or "").strip().splitlines()[0][:200] if (text or "").strip() else ""
 
 
-def control_run(plan: CampaignPlan, name: str, *, port: int, options, out: Callable[[str], Any]) -> Path:
-    """Run ``name`` again, alone and uninterrupted, into folders of its own; its metrics file."""
-    from pipeline.launch.nemo import launch_campaign
+def control_stage(stage: Stage, *, root: Path, port: int) -> Stage:
+    """An uninterrupted copy of ``stage``: its own folders under ``root`` and stand-ins from ``port`` on.
 
-    stage = plan.stage(name)
-    root = plan.output_dir.parent / "control"
-    shutil.rmtree(root, ignore_errors=True)
+    It joins the rehearsed plan with the same dependencies, so a cluster runs it beside the
+    campaign; after the signalled stage resumed, the two must have logged the same rows.
+    """
     cfg = stage.config
-    run_dir = root / name
-    control_cfg = dataclasses.replace(
+    run_dir = root / stage.name
+    config = dataclasses.replace(
         cfg, checkpoint=dataclasses.replace(cfg.checkpoint, directory=str(run_dir / "checkpoints")),
         logging=dataclasses.replace(cfg.logging, output_dir=str(run_dir)),
         rollout=dataclasses.replace(cfg.rollout, weights_dir=None))
     resources = stage.resources
-    if resources.rollout is not None:  # its own servers, on other ports than the campaign's
-        resources = dataclasses.replace(resources, rollout=dataclasses.replace(resources.rollout, port=port))
-    control = CampaignPlan(name=f"{plan.name}-control", output_dir=root, stages=[
-        Stage(name=name, kind=stage.kind, config=control_cfg, resources=resources)])
-    result = launch_campaign(control, options=options, out=out)
-    if not result.ok:
-        raise RuntimeError(f"the uninterrupted control run of {name} did not finish: {result.states}")
-    return run_dir / "metrics.jsonl"
+    if resources.rollout is not None:
+        extra = list(resources.rollout.extra_args)
+        if "--request-log" in extra:  # a log of its own
+            at = extra.index("--request-log") + 1
+            extra[at] = str(Path(extra[at]).with_name(f"{stage.name}{CONTROL_SUFFIX}.jsonl"))
+        resources = dataclasses.replace(resources, rollout=dataclasses.replace(resources.rollout, port=port,
+                                                                                extra_args=extra))
+    return Stage(name=f"{stage.name}{CONTROL_SUFFIX}", kind=stage.kind, config=config, depends_on=stage.depends_on,
+                 resources=resources)
 
 
 def prompt_sources(plan: CampaignPlan) -> tuple[list[str], str | None, str]:
@@ -527,15 +528,18 @@ def run_rehearsal(plan: CampaignPlan, *, output_dir: str | Path, check_plan: Cal
     control_port = first_port + len(plan.stages) * scale.servers_per_node
     rehearsed, changes = rehearsal_plan(with_model(plan, model_dir=source, folder=model_folder), scale=scale,
                                         request_logs=root / "requests", first_port=first_port)
-    report.rows = {stage.name: StageRow(name=stage.name, kind=stage.kind, scaled=changes[stage.name])
-                   for stage in rehearsed.order()}
     options = LaunchOptions(executor=executor, profile=profile, wait=True, poll_s=2.0)
     rl_names = [stage.name for stage in rehearsed.order() if stage.kind == "rl"]
     served = [name for name in rl_names if rehearsed.stage(name).resources.rollout is not None]
     stop_stage = served[0] if events and served else None
-    kill_stage = served[1] if events and len(served) > 1 else (None if not events or not served else served[0])
-    if kill_stage == stop_stage and kill_stage is not None and len(served) == 1:
-        kill_stage = None  # one variant: only the stop is played
+    kill_stage = served[1] if events and len(served) > 1 else None  # one variant: only the stop is played
+    if stop_stage is not None:
+        control = control_stage(rehearsed.stage(stop_stage), root=root / "control", port=control_port)
+        rehearsed = CampaignPlan(name=rehearsed.name, output_dir=rehearsed.output_dir,
+                                 stages=[*rehearsed.stages, control])
+        changes[control.name] = [f"an uninterrupted copy of {stop_stage}, whose rows its resumed run must equal"]
+    report.rows = {stage.name: StageRow(name=stage.name, kind=stage.kind, scaled=changes[stage.name])
+                   for stage in rehearsed.order()}
     player = EventPlayer(rehearsed, stop_stage=stop_stage, kill_stage=kill_stage, executor=executor, out=out)
     player.start()
     try:
@@ -570,16 +574,14 @@ def run_rehearsal(plan: CampaignPlan, *, output_dir: str | Path, check_plan: Cal
         except (AssertionError, OSError, ValueError, KeyError) as error:
             row.state, row.error = "FAIL", _first_line(f"{type(error).__name__}: {error}")
     if stop_stage and report.rows[stop_stage].state == "PASS":
-        _check_resume(rehearsed, stop_stage, report, options=options, played=stop_stage in player.played,
-                      port=control_port, out=out)
+        _check_resume(rehearsed, stop_stage, report, played=stop_stage in player.played)
     if kill_stage and report.rows[kill_stage].state == "PASS":
         _check_restart(rehearsed, kill_stage, report, played=kill_stage in player.played)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _check_resume(plan: CampaignPlan, name: str, report: RehearsalReport, *, options, played: bool, port: int,
-                  out) -> None:
+def _check_resume(plan: CampaignPlan, name: str, report: RehearsalReport, *, played: bool) -> None:
     row = report.rows[name]
     status = CampaignStatus(plan.output_dir).read().get(name, {})
     if not played:
@@ -589,7 +591,10 @@ def _check_resume(plan: CampaignPlan, name: str, report: RehearsalReport, *, opt
         row.state, row.error = "FAIL", "SIGUSR1 did not stop the stage (it finished in one attempt)"
         return
     resumed = metric_rows(Path(plan.stage(name).config.logging.output_dir) / "metrics.jsonl")
-    control = metric_rows(control_run(plan, name, port=port, options=options, out=out))
+    if report.rows[name + CONTROL_SUFFIX].state != "PASS":
+        row.state, row.error = "FAIL", f"its uninterrupted copy {name}{CONTROL_SUFFIX} did not pass"
+        return
+    control = metric_rows(Path(plan.stage(name + CONTROL_SUFFIX).config.logging.output_dir) / "metrics.jsonl")
     if resumed != control:
         differing = sorted({key for a, b in zip(resumed, control) for key in set(a) | set(b)
                             if a.get(key) != b.get(key)})
