@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-gpu demo test test-fast test-campaign clean-venv
+.PHONY: install install-gpu demo test test-fast test-rehearsals test-campaign clean-venv
 
 install: $(STAMP)
 
@@ -30,11 +30,12 @@ demo: install
 # worker at a time (module fixtures are built once), files with slow tests first in the order
 # tests/conftest.py gives them (not xdist's biggest-file-first); then, alone, the tests that
 # already keep both cores busy or share one SLURM dev cluster (the distributed and serial
-# markers); then, alone, the rehearsals of the cluster campaigns (the rehearsal marker).
-# Every pass runs even when an earlier one fails, and any failure fails the target.
+# markers); then, alone, the rehearsal of the H100 campaign on the SLURM dev cluster (with its
+# SIGUSR1 and killed-server events). Every pass runs even when an earlier one fails, and any
+# failure fails the target. The other campaigns' rehearsals: `make test-rehearsals`.
 PARALLEL_TESTS := -m "not distributed and not serial and not campaign and not rehearsal" -n 2 --dist loadfile --no-loadscope-reorder
 SERIAL_TESTS := -m "(distributed or serial) and not campaign and not rehearsal"
-REHEARSAL_TESTS := -m "rehearsal and not campaign" -n 2 --dist loadfile
+REHEARSAL_TESTS := -m "rehearsal and serial and not campaign"
 
 test: install
 	status=0; \
@@ -42,6 +43,11 @@ test: install
 	$(BIN)/python -m pytest $(SERIAL_TESTS) || status=$$?; \
 	$(BIN)/python -m pytest $(REHEARSAL_TESTS) || status=$$?; \
 	exit $$status
+
+# Every campaign rehearsal (the SLURM one, and qwen25-math-1.5b and llama31-8b with the local
+# executor), one test file per worker: ~12 min on 2 cores.
+test-rehearsals: install
+	$(BIN)/python -m pytest -m "rehearsal and not campaign" -n 2 --dist loadfile
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow and not campaign"
