@@ -40,6 +40,7 @@ from pipeline.checkpoint.artifact import TOKENIZER_FILES, tokenizer_files
 from pipeline.checkpoint.hf_map import expected_hf_shapes
 from pipeline.errors import CheckpointError
 from pipeline.io import publish_directory, rename_in_staging
+from pipeline.models.families import FAMILIES
 from pipeline.models.spec import ModelSpec
 
 __all__ = [
@@ -62,11 +63,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' save_pretrained default ("5GB")
 
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+# model_type → the one architecture class a folder of that family may name (pipeline.models.families).
+SUPPORTED_ARCHITECTURES: dict[str, str] = {name: family.architecture for name, family in FAMILIES.items()}
 
 _GENERATION_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 

@@ -292,14 +292,8 @@ def _bootstrap_model(cfg: Any) -> int:
     from pipeline.launch.plan import ModelDims
     from pipeline.models.spec import ModelSpec
 
-    model = cfg.model
     vocab = -(-cfg.vocab_size // cfg.vocab_multiple) * cfg.vocab_multiple
-    spec = ModelSpec(family=model.family, vocab_size=vocab, hidden_size=model.hidden_size,
-                     ffn_hidden_size=model.ffn_hidden_size, num_layers=model.num_layers,
-                     num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-                     max_position_embeddings=model.max_position_embeddings, qkv_bias=model.family == "qwen2",
-                     tie_embeddings=model.tie_embeddings)
-    return ModelDims.from_spec(spec).num_parameters()
+    return ModelDims.from_spec(ModelSpec.from_model_config(cfg.model, vocab_size=vocab)).num_parameters()
 
 
 def conversion_model(stage: Stage, plan: CampaignPlan) -> ConversionModel | None:

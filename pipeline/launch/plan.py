@@ -122,10 +122,12 @@ Attention = Literal["fused", "unfused"]
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ModelDims:
-    """The dimensions the planner needs, read straight from a Hugging Face ``config.json``.
+    """The dimensions the planner needs, always taken from a ``ModelSpec``.
 
-    Not a ``ModelSpec``: the planner also sizes families the trainer does not build yet
-    (Qwen3, whose per-head q/k RMSNorm adds ``2·d`` parameters per layer).
+    A ``config.json`` is read by ``ModelSpec.from_hf_config`` (``from_hf_config`` here), so the
+    planner sizes exactly the architecture the trainer builds and the converter loads: the same
+    families (``pipeline.models.families``), defaults and refusals, Qwen3's per-head q/k RMSNorm
+    (``2·d`` parameters per layer) included.
     """
 
     name: str
@@ -143,7 +145,11 @@ class ModelDims:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | str | Path, *, name: str | None = None) -> ModelDims:
-        """From a ``config.json`` dict, file or model folder (llama, qwen2, qwen3)."""
+        """From a ``config.json`` dict, file or model folder: the ``ModelSpec`` it parses into.
+
+        ``name`` defaults to the model's folder (or the file's stem), else the config's ``_name_or_path``,
+        else its ``model_type``. A config ``ModelSpec`` refuses raises its ``ValueError``.
+        """
         if not isinstance(config, Mapping):
             path = Path(config)
             path = path / "config.json" if path.is_dir() else path
@@ -151,29 +157,8 @@ class ModelDims:
                 raise ValueError(f"config: no config.json at {path}")
             name = name or (path.parent.name if path.name == "config.json" else path.stem)
             config = json.loads(path.read_text())
-        model_type = config.get("model_type")
-        if model_type not in ("llama", "qwen2", "qwen3"):
-            raise ValueError(f"model_type: the planner sizes llama, qwen2 and qwen3, got {model_type!r}")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(config.get(key), int) or config[key] <= 0:
-                raise ValueError(f"{key}: required positive integer in config.json, got {config.get(key)!r}")
-        heads = config["num_attention_heads"]
-        return cls(
-            name=name or str(config.get("_name_or_path") or model_type),
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            ffn_hidden_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            # Class defaults of LlamaConfig / Qwen2Config / Qwen3Config when the key is absent.
-            max_position_embeddings=int(config.get("max_position_embeddings")
-                                        or {"llama": 2048, "qwen2": 32768, "qwen3": 32768}[model_type]),
-            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias")),
-            qk_norm=model_type == "qwen3",
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+        spec = ModelSpec.from_hf_config(config)
+        return cls.from_spec(spec, name=name or str(config.get("_name_or_path") or spec.family))
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, *, name: str = "model") -> ModelDims:
@@ -182,7 +167,7 @@ class ModelDims:
                    ffn_hidden_size=spec.ffn_hidden_size, num_layers=spec.num_layers,
                    num_attention_heads=spec.num_attention_heads, num_kv_heads=spec.num_query_groups,
                    head_dim=spec.kv_channels, max_position_embeddings=spec.max_position_embeddings,
-                   qkv_bias=spec.qkv_bias, tie_embeddings=spec.tie_embeddings)
+                   qkv_bias=spec.qkv_bias, qk_norm=spec.qk_layernorm, tie_embeddings=spec.tie_embeddings)
 
     @property
     def q_width(self) -> int:
@@ -890,15 +875,9 @@ def context_problem(dims: ModelDims, *, max_new_tokens: int, prompt_tokens: int,
 def bootstrap_model_dims(cfg: Any) -> ModelDims:
     """A ``BootstrapConfig``'s policy before it exists: its ``model`` section. The vocabulary is the
     configured size padded to ``vocab_multiple``, an upper bound (the trained tokenizer may hold fewer)."""
-    model = cfg.model
-    return ModelDims(
-        name="the bootstrap policy", vocab_size=math.ceil(cfg.vocab_size / cfg.vocab_multiple) * cfg.vocab_multiple,
-        hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size, num_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads, num_kv_heads=model.num_query_groups,
-        head_dim=model.hidden_size // model.num_attention_heads,
-        max_position_embeddings=model.max_position_embeddings, qkv_bias=model.family == "qwen2",
-        tie_embeddings=model.tie_embeddings,
-    )
+    vocab_size = math.ceil(cfg.vocab_size / cfg.vocab_multiple) * cfg.vocab_multiple
+    return ModelDims.from_spec(ModelSpec.from_model_config(cfg.model, vocab_size=vocab_size),
+                               name="the bootstrap policy")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from pipeline.errors import UserError
+from pipeline.models.families import FAMILIES
 
 PUBLISHED_DIR = Path(__file__).resolve().parents[1] / "models" / "published"
 CONFIGS_DIR = PUBLISHED_DIR / "configs"
@@ -46,8 +47,6 @@ CONFIG_ALIASES = {
     "Qwen2.5-Math-7B-Instruct": "Qwen2.5-Math-7B",
     "Qwen3-4B-Instruct-2507": "Qwen3-4B",
 }
-# model_type → the shipped tokenizer of its family (Qwen3 uses Qwen2's vocabulary and chat tokens).
-FAMILY_TOKENIZERS = {"llama": "llama3", "qwen2": "qwen2_5", "qwen3": "qwen2_5"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model")
 HEAD_DIM = 8
@@ -112,21 +111,18 @@ def build_rehearsal_model(model_dir: str, out: Path, *, tensor_parallel: int, se
         tokenizer_dir = real
         note = f"tokenizer: {real}'s own"
     else:
-        family = FAMILY_TOKENIZERS.get(config.get("model_type", ""))
+        family = FAMILIES.get(config.get("model_type", ""))
         if family is None:
             raise UserError(f"--model-dir: no tokenizer is shipped for model_type {config.get('model_type')!r}")
-        tokenizer_dir = TOKENIZERS_DIR / family
+        tokenizer_dir = TOKENIZERS_DIR / family.tokenizer_fixture
         ids = _special_ids(tokenizer_dir)
         # The shipped BPE's ids of the family's special tokens replace the published ones.
-        for key, token in (("bos_token_id", "<|begin_of_text|>" if family == "llama3" else "<|endoftext|>"),):
-            if key in scaled and scaled[key] is not None:
-                scaled[key] = ids[token]
-        eos_tokens = (["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"] if family == "llama3"
-                      else ["<|im_end|>"] if isinstance(config.get("eos_token_id"), int) else ["<|im_end|>"])
-        scaled["eos_token_id"] = ([ids[t] for t in eos_tokens] if isinstance(config.get("eos_token_id"), list)
-                                  else ids[eos_tokens[0]])
+        if scaled.get("bos_token_id") is not None:
+            scaled["bos_token_id"] = ids[family.bos_token]
+        eos_ids = [ids[token] for token in family.eos_tokens]
+        scaled["eos_token_id"] = eos_ids if isinstance(config.get("eos_token_id"), list) else eos_ids[0]
         shipped_ids = len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
-        note = (f"tokenizer: the shipped {family} BPE ({shipped_ids} "
+        note = (f"tokenizer: the shipped {family.tokenizer_fixture} BPE ({shipped_ids} "
                 f"ids; real special tokens and chat template, other ids differ); "
                 f"vocabulary rows kept at {scaled['vocab_size']}")
     for name in TOKENIZER_FILES:

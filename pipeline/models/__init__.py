@@ -1,6 +1,8 @@
 """Model architecture and the megatron ``GPTModel`` factory.
 
 * ``spec``: ``ModelSpec`` (Llama/Qwen2/Qwen3 architecture) <-> Hugging Face ``config.json``.
+* ``families``: ``FAMILIES``, one ``ModelFamily`` row per family (Hugging Face names, biases,
+  q/k norms, config defaults), read wherever a family's facts are needed.
 * ``layer_spec``: ``select_layer_spec`` (Transformer Engine/FP8 or megatron's local
   modules), ``LayerSpecChoice``, ``FP8Options``.
 * ``factory``: ``build_transformer_config``, ``build_gpt_model``.

@@ -7,7 +7,9 @@ the Qwen2 layout without q/k/v biases plus an RMSNorm over each query and key he
 every published size, which is not ``hidden_size / num_attention_heads`` for 4B or 8B). Only what the megatron
 ``GPTModel`` built by ``pipeline.models.factory`` reproduces exactly is accepted;
 every other feature is rejected with a ``ValueError`` that names the field, so a
-checkpoint never silently loads into a different architecture.
+checkpoint never silently loads into a different architecture. What differs by family
+(Hugging Face names, biases, q/k norms, config defaults, refused switches) is read from the
+table in ``pipeline.models.families``.
 
 Both spellings of RoPE settings are read: transformers 4.x (``rope_theta`` +
 ``rope_scaling``) and transformers 5.x (``rope_parameters`` holding
@@ -23,17 +25,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
+
+from pipeline.models.families import Family, model_family
+
+if TYPE_CHECKING:
+    from pipeline.config import ModelConfig
 
 __all__ = ["LLAMA3_ROPE_DEFAULTS", "ModelSpec"]
-
-Family = Literal["llama", "qwen2", "qwen3"]
-
-_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 # megatron-core 0.16.1 implements Llama-3 RoPE scaling with these three values
 # hard-coded (RotaryEmbedding._apply_scaling); only `factor` reaches it from the
@@ -43,31 +42,6 @@ LLAMA3_ROPE_DEFAULTS: dict[str, float] = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
-}
-
-# Class defaults of LlamaConfig / Qwen2Config / Qwen3Config for keys a config.json may omit.
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-    },
-    "qwen2": {
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-    },
-    "qwen3": {
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-    },
 }
 
 _REQUIRED_HF_KEYS = (
@@ -108,8 +82,7 @@ class ModelSpec:
     activation: Literal["swiglu"] = "swiglu"
 
     def __post_init__(self) -> None:
-        if self.family not in _ARCHITECTURES:
-            raise ValueError(f"family: expected one of {sorted(_ARCHITECTURES)}, got {self.family!r}")
+        model_family(self.family, field="family")
         if self.activation != "swiglu":
             raise ValueError(f"activation: only 'swiglu' is supported, got {self.activation!r}")
         for name in (
@@ -146,7 +119,7 @@ class ModelSpec:
     @property
     def qk_layernorm(self) -> bool:
         """Whether every query and key head is RMS-normalized before RoPE (Qwen3)."""
-        return self.family == "qwen3"
+        return model_family(self.family).qk_norm
 
     @property
     def kv_channels(self) -> int:
@@ -157,15 +130,11 @@ class ModelSpec:
     def from_hf_config(cls, config: Mapping[str, Any] | str | Path) -> ModelSpec:
         """Read a ``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` dict, ``config.json`` path, or model directory."""
         hf = _load_hf_config(config)
-        model_type = hf.get("model_type")
-        if model_type not in _ARCHITECTURES:
-            raise ValueError(
-                f"model_type: expected one of {sorted(_ARCHITECTURES)}, got {model_type!r}"
-            )
+        family = model_family(hf.get("model_type"))
         missing = [key for key in _REQUIRED_HF_KEYS if hf.get(key) is None]
         if missing:
-            raise ValueError(f"{missing[0]}: required in a {model_type} config but missing")
-        defaults = _HF_DEFAULTS[model_type]
+            raise ValueError(f"{missing[0]}: required in a {family.model_type} config but missing")
+        defaults = family.hf_defaults
 
         def get(key: str) -> Any:
             value = hf.get(key)
@@ -177,37 +146,20 @@ class ModelSpec:
             raise ValueError(
                 f"attention_dropout: the RL actor trains without dropout, got {hf['attention_dropout']!r}"
             )
-        if model_type == "llama":
-            # Llama's attention_bias also adds a bias to o_proj, which megatron's
-            # add_qkv_bias does not model.
-            if hf.get("attention_bias"):
-                raise ValueError("attention_bias: biased q/k/v/o projections are not supported for llama")
-            if hf.get("mlp_bias"):
-                raise ValueError("mlp_bias: biased MLP projections are not supported")
-            qkv_bias = False
-        else:
-            if hf.get("use_sliding_window"):
-                raise ValueError("use_sliding_window: sliding-window attention is not supported")
-            layer_types = hf.get("layer_types")
-            if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
-                raise ValueError("layer_types: only 'full_attention' layers are supported")
-            if model_type == "qwen2":
-                # Qwen2 always has q/k/v biases and an unbiased o_proj.
-                qkv_bias = True
-            else:
-                # Qwen3's attention_bias, like Llama's, would bias o_proj too; no released
-                # dense Qwen3 sets it.
-                if hf.get("attention_bias"):
-                    raise ValueError("attention_bias: biased q/k/v/o projections are not supported for qwen3")
-                qkv_bias = False
+        for key, adds in family.unsupported_switches.items():
+            if hf.get(key):
+                raise ValueError(f"{key}: {adds} are not supported for {family.model_type}")
+        layer_types = hf.get("layer_types")
+        if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+            raise ValueError("layer_types: only 'full_attention' layers are supported")
 
         rope_theta, rope_scaling = _read_rope(hf, default_theta=defaults["rope_theta"])
         num_heads = int(hf["num_attention_heads"])
         num_kv_heads = hf.get("num_key_value_heads")
-        head_dim = hf.get("head_dim")
+        head_dim = get("head_dim")
         hidden_size = int(hf["hidden_size"])
         return cls(
-            family=model_type,
+            family=family.model_type,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden_size,
             ffn_hidden_size=int(hf["intermediate_size"]),
@@ -218,17 +170,29 @@ class ModelSpec:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             norm_eps=float(get("rms_norm_eps")),
-            qkv_bias=qkv_bias,
+            qkv_bias=family.qkv_bias,
             tie_embeddings=bool(get("tie_word_embeddings")),
             # An explicit head_dim equal to the derived one is the common case; store None
             # so that specs compare equal whichever way the config spelled it.
             head_dim=None if head_dim is None or int(head_dim) == hidden_size // num_heads else int(head_dim),
         )
 
+    @classmethod
+    def from_model_config(cls, model: ModelConfig, *, vocab_size: int) -> ModelSpec:
+        """A from-scratch policy's architecture (a bootstrap's ``model`` section); the tokenizer sets ``vocab_size``."""
+        return cls(
+            family=model.family, vocab_size=vocab_size, hidden_size=model.hidden_size,
+            ffn_hidden_size=model.ffn_hidden_size, num_layers=model.num_layers,
+            num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+            max_position_embeddings=model.max_position_embeddings, rope_theta=model.rope_theta,
+            qkv_bias=model_family(model.family).qkv_bias, tie_embeddings=model.tie_embeddings,
+        )
+
     def to_hf_config(self) -> dict[str, Any]:
         """The ``config.json`` dict of the equivalent Hugging Face model (transformers 4.x keys)."""
+        family = model_family(self.family)
         config: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.family]],
+            "architectures": [family.architecture],
             "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -245,12 +209,7 @@ class ModelSpec:
             "tie_word_embeddings": self.tie_embeddings,
             "attention_dropout": 0.0,
         }
-        if self.family == "llama":
-            config.update(attention_bias=False, mlp_bias=False)
-        elif self.family == "qwen2":
-            config.update(use_sliding_window=False)
-        else:
-            config.update(attention_bias=False, use_sliding_window=False)
+        config.update(dict.fromkeys(family.unsupported_switches, False))
         return config
 
     def to_dict(self) -> dict[str, Any]:

@@ -143,14 +143,7 @@ def run_bootstrap(cfg: BootstrapConfig, *, context=None) -> BootstrapResult:
 
     if context is None:
         context = initialize_process_context(seed=cfg.seed)
-    model = cfg.model
-    spec = ModelSpec(
-        family=model.family, vocab_size=len(tokenizer), hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size, num_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        max_position_embeddings=model.max_position_embeddings, rope_theta=model.rope_theta,
-        qkv_bias=model.family == "qwen2", tie_embeddings=model.tie_embeddings,
-    )
+    spec = ModelSpec.from_model_config(cfg.model, vocab_size=len(tokenizer))
     actor = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=cfg.optim, seed=cfg.seed)
     loss = CrossEntropyLoss()
     writer = MetricsWriter(directory)

@@ -48,6 +48,8 @@ from pipeline.launch.plan import (
     memory_plan,
     micro_batch_tokens,
 )
+from pipeline.models.families import model_family
+from pipeline.models.spec import ModelSpec
 from pipeline.parallel.launch import free_port, run_ranks
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "head_buffer")
@@ -75,11 +77,15 @@ class Case:
     def num_ranks(self) -> int:
         return self.tp * self.pp
 
+    def spec(self) -> ModelSpec:
+        """The model the ranks build; its family's row sets the q/k/v bias and the q/k norms."""
+        return ModelSpec(family=self.family, vocab_size=self.vocab, hidden_size=self.hidden, ffn_hidden_size=self.ffn,
+                         num_layers=self.layers, num_attention_heads=self.heads, num_query_groups=self.kv_heads,
+                         max_position_embeddings=self.seq, head_dim=self.head_dim,
+                         qkv_bias=model_family(self.family).qkv_bias)
+
     def dims(self) -> ModelDims:
-        return ModelDims(name=self.name, vocab_size=self.vocab, hidden_size=self.hidden, ffn_hidden_size=self.ffn,
-                         num_layers=self.layers, num_attention_heads=self.heads, num_kv_heads=self.kv_heads,
-                         head_dim=self.head_dim or self.hidden // self.heads, max_position_embeddings=self.seq,
-                         qkv_bias=self.family == "qwen2", qk_norm=self.family == "qwen3")
+        return ModelDims.from_spec(self.spec(), name=self.name)
 
 
 CASES = {
@@ -143,7 +149,6 @@ def _rank_main(rank: int, result_dir: str, case: Case, port: int) -> None:
     import torch
 
     from pipeline.config import OptimConfig, TrainerConfig
-    from pipeline.models.spec import ModelSpec
     from pipeline.parallel.context import ParallelContext
     from pipeline.trainer.actor import Actor
     from pipeline.trainer.batch import TrainBatch
@@ -154,10 +159,7 @@ def _rank_main(rank: int, result_dir: str, case: Case, port: int) -> None:
         tensor_parallel=case.tp, pipeline_parallel=case.pp, seed=0, rank=rank, world_size=case.num_ranks,
         local_rank=rank, master_addr="127.0.0.1", master_port=port, backend="gloo")
     try:
-        spec = ModelSpec(family=case.family, vocab_size=case.vocab, hidden_size=case.hidden, ffn_hidden_size=case.ffn,
-                         num_layers=case.layers, num_attention_heads=case.heads, num_query_groups=case.kv_heads,
-                         max_position_embeddings=case.seq, head_dim=case.head_dim)
-        actor = Actor(spec=spec, context=context, optim=OptimConfig(lr=1e-4), seed=0,
+        actor = Actor(spec=case.spec(), context=context, optim=OptimConfig(lr=1e-4), seed=0,
                       trainer=TrainerConfig(precision="bf16", micro_batch_tokens=case.rows_per_micro * case.seq))
         parameters = list(actor.module.parameters())
         parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
