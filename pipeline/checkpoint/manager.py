@@ -309,7 +309,12 @@ class CheckpointManager:
         return newest_valid(self.directory)
 
     def load(self, path: Path, *, actor) -> LoadedCheckpoint:
-        """Restore weights, optimizer, schedule and RNG into ``actor``; return the run state."""
+        """Restore weights, optimizer, schedule and RNG into ``actor``; return the run state.
+
+        A checkpoint saved under megatron's local layer spec (a CPU run) resumes a Transformer
+        Engine actor: the module extra states it lacks (TE's norms) keep the actor's own
+        (``load_sharded_weights``); any other missing tensor fails the load.
+        """
         self.verify(path)
         actor.prepare_optimizer_state()
         model_state = actor.module.sharded_state_dict()

@@ -67,7 +67,9 @@ def test_the_gpu_extra_pins_te_inside_megatrons_range():
     assert te_range.contains("2.11.0") and not te_range.contains("2.12.0")
     assert str(requirements["sglang"].specifier) == "==0.5.23"
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^install-gpu:", makefile, re.M) and "-c constraints-gpu.txt" in makefile
+    assert re.search(r"^install-gpu:\n\t.*bash tools/install_gpu.sh$", makefile, re.M)
+    installs = [line for line in (ROOT / "tools" / "install_gpu.sh").read_text().splitlines() if "pip install" in line]
+    assert installs and all("-c constraints-gpu.txt" in line for line in installs)
 
 
 def test_the_smoke_uses_the_python_it_is_given_and_reports_each_check(tmp_path):
@@ -80,12 +82,13 @@ def test_the_smoke_uses_the_python_it_is_given_and_reports_each_check(tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"gpu_smoke: using {sys.executable}")
     statuses = dict(re.match(r"(PASS|FAIL|SKIP)\s+([\w-]+):", line).group(2, 1) for line in lines[1:-1])
-    assert list(statuses) == ["environment", "setup", "local-bf16", "te-bf16", "te-weight-sync", "fp8", "sglang"]
+    assert list(statuses) == ["environment", "setup", "local-bf16", "te-bf16", "te-weight-sync", "te-load-converted",
+                              "fp8", "sglang"]
     # On this CPU machine: the probe fails with its reason, everything else is skipped, no traceback.
     assert statuses["environment"] == "FAIL" and "no CUDA device" in lines[1]
     assert set(list(statuses.values())[1:]) == {"SKIP"}
     assert "Traceback" not in result.stdout + result.stderr and result.returncode == 1
-    assert lines[-1] == "0 passed, 6 skipped, 1 failed: environment"
+    assert lines[-1] == "0 passed, 7 skipped, 1 failed: environment"
     assert (tmp_path / "environment.log").is_file()
 
 
