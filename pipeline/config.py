@@ -9,10 +9,13 @@ out of range with the dotted field path in the message.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from pipeline.configlib import ConfigError, option, section
+
+logger = logging.getLogger(__name__)
 
 
 def _require(condition: bool, field: str, message: str) -> None:
@@ -100,7 +103,6 @@ class EvalConfig:
 class ParallelConfig:
     tensor_parallel: int = option(1, ge=1, help="tensor-parallel size")
     pipeline_parallel: int = option(1, ge=1, help="pipeline-parallel size")
-    context_parallel: int = option(1, ge=1, le=1, help="context-parallel size (reserved; must be 1)")
     backend: Literal["auto", "nccl", "gloo"] = option(
         "auto", help="torch.distributed backend; auto picks nccl with CUDA and gloo without"
     )
@@ -302,6 +304,14 @@ class D3SConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PodsConfig:
+    num_keep: int = option(
+        8, ge=1, help="N: samples kept of each group's G (capped at G), fixed for the run; 8 is D³S's N_init, "
+        "which the +PODS presets keep of 32"
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class E3TemperatureConfig:
     min_temperature: float = option(0.1, gt=0.0, help="lower clamp of τ")
     max_temperature: float = option(2.0, gt=0.0, help="upper clamp of τ")
@@ -464,12 +474,14 @@ class AlgorithmConfig:
         default_factory=list, help="TOKEN_WEIGHTS entries, applied in order and multiplied"
     )
     d3s: D3SConfig = section(D3SConfig, help="D³S sample/token schedule")
+    pods: PodsConfig = section(PodsConfig, help="PODS max-variance down-sampling (sample_selector=pods)")
     cw_grpo_scope: Literal["group", "batch"] = option("group", help="CW-GRPO covariance statistics scope")
     temperature: Literal["fixed", "e3"] = option("fixed", help="TEMPERATURES entry: the run's fixed temperature, or E3's entropy controller starting from it")
     e3: E3TemperatureConfig = section(E3TemperatureConfig, help="E3 temperature scheduler (Eq. 4–5)")
     rollout_correction: Literal["none", "tis", "mis"] = option(
         "none", help="ROLLOUT_CORRECTIONS entry: correct the engine/trainer log-prob gap by truncated (tis) or "
-        "masked (mis) importance ratios π_old/π_rollout"
+        "masked (mis) importance ratios π_old/π_rollout; at rollout.max_staleness=1 none becomes tis when the "
+        "config loads (the saved config says tis): samples one update old always get a correction"
     )
     correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, help="rollout correction thresholds")
     prompt_filter: Literal["none", "depo"] = option("none", help="PROMPT_FILTERS entry: drop prompts before rollout")
@@ -503,7 +515,7 @@ class AlgorithmConfig:
 # methods of a comparison: the clip range, the KL and entropy terms, and the rollout correction,
 # which corrects the engine/trainer log-prob gap of the infrastructure whatever the method trains.
 METHOD_FIELDS: tuple[str, ...] = (
-    "advantage", "baseline_weight", "loss", "aggregation", "sample_selector", "d3s", "token_weights",
+    "advantage", "baseline_weight", "loss", "aggregation", "sample_selector", "d3s", "pods", "token_weights",
     "cw_grpo_scope", "temperature", "e3", "prompt_filter", "depo", "budget", "e3_budget", "ada_est",
     "sampling", "ada_seq", "dynamic",
 )
@@ -515,6 +527,25 @@ def plain_grpo(algorithm: AlgorithmConfig) -> AlgorithmConfig:
     shared fields as they were: the baseline matched to a method on everything but the method."""
     defaults = AlgorithmConfig()
     return replace(algorithm, **{name: getattr(defaults, name) for name in METHOD_FIELDS})
+
+
+def stale_sample_correction(algorithm: AlgorithmConfig, *, rollout: RolloutConfig) -> AlgorithmConfig:
+    """``algorithm`` as an RL run at ``rollout`` trains with: at ``max_staleness=1``,
+    ``rollout_correction=none`` becomes ``tis`` with ``algorithm.correction``'s thresholds.
+
+    A sample generated one version back is off-policy by a whole update, not only by the
+    engine/trainer gap: truncated importance weights min(π_old/π_rollout, C), with π_old
+    recomputed at the current weights, correct it while keeping every token (masking, MIS,
+    would discard generated tokens). tis and mis chosen explicitly stay as they are. Resolved
+    when the config is built, so the run's saved config is the one its methods are built from;
+    a config cannot tell an unset ``none`` from one written out, so both become tis.
+    """
+    if rollout.max_staleness == 0 or algorithm.rollout_correction != "none":
+        return algorithm
+    logger.info("rollout.max_staleness=%d: stale samples are corrected by truncated importance sampling "
+                "(algorithm.rollout_correction=tis, level %s, C=%g)", rollout.max_staleness,
+                algorithm.correction.level, algorithm.correction.upper)
+    return replace(algorithm, rollout_correction="tis")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -568,6 +599,7 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         collective_timeout_minutes(parallel=self.parallel, rollout=self.rollout)  # refuses one too short
+        self.algorithm = stale_sample_correction(self.algorithm, rollout=self.rollout)
         algorithm = self.algorithm
         if algorithm.budget == "e3":
             _require(algorithm.e3_budget.min_limit <= self.group_size <= algorithm.e3_budget.max_limit,

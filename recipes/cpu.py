@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.config import D3SConfig, RLConfig
+from pipeline.config import D3SConfig, PodsConfig, RLConfig
 
 # Adam's first updates are ~lr·sign(g) per weight, so on this 0.8M-parameter policy, with
 # 16 × 8 samples of mostly zero-variance groups per step, the noise in the sign dominates
@@ -80,7 +80,7 @@ def pods_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
     """PODS: max-variance down-sampling to N = G/2 of G samples, N held fixed."""
     cfg = grpo_cpu(steps=steps, group_size=group_size)
     cfg.algorithm.sample_selector = "pods"
-    cfg.algorithm.d3s = D3SConfig(num_keep_init=group_size // 2, num_keep_final=group_size // 2, dynamic=False)
+    cfg.algorithm.pods = PodsConfig(num_keep=group_size // 2)
     return cfg
 
 
@@ -160,8 +160,8 @@ def grpo_async_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
     the update. It pays where generation and update run on different devices.
     """
     cfg = grpo_cpu(steps=steps, group_size=group_size)
-    cfg.rollout.max_staleness = 1
-    return cfg
+    # Rebuilt, not mutated: RLConfig resolves the correction (rollout_correction=tis) when it is built.
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_staleness=1))
 
 
 def default_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:

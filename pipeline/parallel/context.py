@@ -239,10 +239,6 @@ class ParallelContext:
         return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     @property
-    def cp_group(self) -> dist.ProcessGroup:
-        return parallel_state.get_context_parallel_group()
-
-    @property
     def model_parallel_group(self) -> dist.ProcessGroup:
         """TP x PP ranks that together hold one full model (for global grad norms)."""
         return parallel_state.get_model_parallel_group()

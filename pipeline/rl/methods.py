@@ -19,9 +19,9 @@ each slot:
 ``POLICY_LOSSES``    a ``pipeline.trainer.losses.PolicyLoss`` (``method.loss``) the actor minimises.
 ``TEMPERATURES``     ``method.value``: τ of the next rollout; ``update`` may change it (E3).
 
-The D³S schedule (N_s samples and K% tokens per step) is one object shared by the D³S/PODS
+The D³S schedule (N_s samples and K% tokens per step) is one object shared by the D³S
 selectors and the D³S top-K weighting, advanced once per step by its own ``update`` and
-checkpointed once as ``d3s_schedule``.
+checkpointed once as ``d3s_schedule``. PODS keeps its own fixed N (``algorithm.pods``).
 """
 
 from __future__ import annotations
@@ -143,25 +143,27 @@ class KeepAll(Method):
 
 
 class SubsetSelector(Method):
-    """Keep ``num_keep`` samples per group: N_s from the D³S schedule, else the group size."""
+    """Keep ``num_keep`` samples per group: N_s from the D³S schedule, else a fixed N (``fixed_keep`` of the
+    config, capped at the group size), else the group size."""
 
     def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting, *, function: Callable,
-                 scheduled: bool) -> None:
+                 scheduled: bool, fixed_keep: Callable[[AlgorithmConfig], int] | None = None) -> None:
         self.function = function
         self.schedule = d3s_schedule(cfg, setting) if scheduled else None
-        self.group_size = setting.group_size
+        self.num_keep = setting.group_size if fixed_keep is None else min(fixed_keep(cfg), setting.group_size)
 
     def __call__(self, *, advantages: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Tensor,
                  seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], Metrics]:
-        num_keep = self.schedule.current()[0] if self.schedule is not None else self.group_size
+        num_keep = self.schedule.current()[0] if self.schedule is not None else self.num_keep
         return self.function(advantages=advantages, rewards=rewards, group_ids=group_ids, num_keep=num_keep,
                              generator=torch.Generator().manual_seed(seed))
 
 
-# PODS keeps N of G samples too; it reads N from the D³S schedule (held fixed by d3s.dynamic=false).
 SAMPLE_SELECTORS.add("d3s_intra", partial(SubsetSelector, function=d3s_intra_select, scheduled=True))
 SAMPLE_SELECTORS.add("d3s_cross", partial(SubsetSelector, function=d3s_cross_select, scheduled=True))
-SAMPLE_SELECTORS.add("pods", partial(SubsetSelector, function=pods_select, scheduled=True))
+# PODS keeps a fixed N of the G samples for the whole run (``algorithm.pods.num_keep``).
+SAMPLE_SELECTORS.add("pods", partial(SubsetSelector, function=pods_select, scheduled=False,
+                                     fixed_keep=lambda cfg: cfg.pods.num_keep))
 SAMPLE_SELECTORS.add("balanced", partial(SubsetSelector, function=balanced_downsample, scheduled=False))
 
 

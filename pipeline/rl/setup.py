@@ -6,19 +6,19 @@ bootstraps or resolves a checkpoint; this floor never runs another stage).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeline import configlib
 from pipeline.checkpoint.artifact import load_weights
 from pipeline.checkpoint.manager import CheckpointManager
-from pipeline.config import AlgorithmConfig, RLConfig, RolloutConfig
+from pipeline.config import RLConfig, RolloutConfig
 from pipeline.data import Prompt, load_prompts
 from pipeline.data.sources import parse_spec
 from pipeline.data.templates import prompt_token_ids
@@ -32,6 +32,9 @@ from pipeline.rl.sampling import Sampled, Sampling, SelectedPrompts, build_sampl
 from pipeline.rl.stream import PromptStream
 from pipeline.stats.store import PromptStatsStore
 from pipeline.trainer.actor import Actor
+
+if TYPE_CHECKING:
+    from pipeline.rl.batches import BatchSource
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +181,9 @@ class Run:
     start_step: int
     output_dir: Path
     consecutive_skipped: int = 0  # steps skipped in a row for non-finite gradients
-    in_flight: PreparedStep | None = None  # max_staleness=1: the next step's batch, generated ahead
+    # Where each step's batch comes from (``pipeline/rl/batches.py``), built with the run by ``setup_run``;
+    # it checkpoints what it holds (a batch generated ahead) with the run.
+    batches: BatchSource | None = None
     # The metrics row of a scored step a stop checkpointed before its weights reached the engine: the
     # resumed run pushes them, scores the held-out set and logs the row (``pipeline.stages.rl``).
     row_awaiting_eval: dict[str, Any] | None = None
@@ -195,13 +200,12 @@ class Run:
             "stats_meta": stats["meta"],
             "consecutive_skipped": self.consecutive_skipped,
         }
-        in_flight_tensors = {}
-        if self.in_flight is not None:
-            state["in_flight"], in_flight_tensors = self.in_flight.to_state()
+        batch_state, batch_tensors = self.batches.state()
+        state.update(batch_state)
         if self.row_awaiting_eval is not None:
             state["row_awaiting_eval"] = dict(self.row_awaiting_eval)
         return state, {**{f"stats.{k}": v for k, v in stats["tensors"].items()}, **sampling_tensors,
-                       **in_flight_tensors}
+                       **batch_tensors}
 
     def load_state(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         self.stream.load_state_dict(state["stream"])
@@ -211,12 +215,7 @@ class Run:
         self.stats.load_state_dict({"meta": state["stats_meta"], "tensors": stats_tensors})
         self.sampling.load_state(state["sampling"], tensors)
         self.consecutive_skipped = int(state["consecutive_skipped"])
-        if "in_flight" in state:
-            if self.cfg.rollout.max_staleness == 0:
-                # Its prompts were drawn from the stream already: dropping it would skip them.
-                raise ValueError(f"rollout.max_staleness: the checkpoint holds step {state['in_flight']['step']}'s "
-                                 "batch, generated ahead of its update; resume it with rollout.max_staleness=1")
-            self.in_flight = PreparedStep.from_state(state["in_flight"], tensors)
+        self.batches.load_state(state, tensors)
         self.row_awaiting_eval = state.get("row_awaiting_eval")
 
 
@@ -290,28 +289,15 @@ def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_di
     return weight_sync.LocalSyncedEngine(engine, bucket_bytes=bucket_bytes)
 
 
-def stale_sample_correction(cfg: RLConfig) -> AlgorithmConfig:
-    """The algorithm config the run's methods are built from: at ``rollout.max_staleness=1``,
-    ``rollout_correction=none`` becomes ``tis`` with ``algorithm.correction``'s thresholds.
-
-    A sample generated one version back is off-policy by a whole update, not only by the
-    engine/trainer gap: truncated importance weights min(π_old/π_rollout, C), with π_old
-    recomputed at the current weights, correct it while keeping every token (masking, MIS,
-    would discard generated tokens). tis and mis chosen explicitly stay as they are.
-    """
-    if cfg.rollout.max_staleness == 0 or cfg.algorithm.rollout_correction != "none":
-        return cfg.algorithm
-    logger.info("rollout.max_staleness=%d: stale samples are corrected by truncated importance sampling "
-                "(algorithm.rollout_correction=tis, level %s, C=%g)", cfg.rollout.max_staleness,
-                cfg.algorithm.correction.level, cfg.algorithm.correction.upper)
-    return dataclasses.replace(cfg.algorithm, rollout_correction="tis")
-
-
-def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -> Run:
+def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, batch_source: Callable[[Run], BatchSource],
+              curation=None) -> Run:
     """Build the run (actor, engine, data, methods, statistics) and resume it from its newest checkpoint.
 
-    ``curation``: a loaded curation (``prompt_ids``, ``pass_rates``, ``num_samples``) whose pass
-    rates seed the statistics store before any method reads it (``cfg.curation_dir``).
+    ``batch_source``: builds the run's batch source from the run (``pipeline.rl.batches.build_batch_source``,
+    which this floor cannot import: it builds on the run); it is built before the resume, which
+    restores what it holds. ``curation``: a loaded curation (``prompt_ids``, ``pass_rates``,
+    ``num_samples``) whose pass rates seed the statistics store before any method reads it
+    (``cfg.curation_dir``). The methods are built from ``cfg`` exactly as saved in the run folder.
     """
     from pipeline.rewards import GradingPool
 
@@ -342,7 +328,7 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -
     setting = MethodSetting(total_steps=cfg.steps, group_size=cfg.group_size, temperature=cfg.temperature,
                             vocab_size=spec.vocab_size, max_new_tokens=cfg.max_new_tokens,
                             texts=[p.problem for p in prompts], stats=stats, seed=cfg.seed)
-    methods = build_methods(stale_sample_correction(cfg), setting)
+    methods = build_methods(cfg.algorithm, setting)
     sampling = build_sampling(cfg.algorithm, setting)
     reference = None
     if cfg.algorithm.kl_coef > 0:
@@ -358,6 +344,7 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, curation=None) -
         stream=PromptStream(len(prompts), seed=cfg.seed), stats=stats,
         ledger=Ledger(), checkpoints=checkpoints, writer=None, start_step=0, output_dir=output_dir,
     )
+    run.batches = batch_source(run)
     resume_from = checkpoints.newest_valid() if cfg.checkpoint.resume != "never" else None
     if cfg.checkpoint.resume == "must" and resume_from is None:
         raise FileNotFoundError(f"checkpoint.resume=must but no valid checkpoint under {cfg.checkpoint.directory}")

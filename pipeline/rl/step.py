@@ -22,7 +22,6 @@ from pipeline.rl.rollouts import RolloutBatch
 from pipeline.rl.sampling import SelectedPrompts
 from pipeline.rl.setup import PreparedStep, Run
 from pipeline.rollout.types import GenerationRequest, SamplingParams
-from pipeline.rollout.weight_sync import sync_actor_to_engine
 from pipeline.trainer.batch import TrainBatch
 
 
@@ -52,9 +51,10 @@ def generate_and_grade(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *
                         texts, rewards)
 
 
-def _generate_and_grade_on_rank0(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *, temperature: float,
+def generate_and_grade_on_rank0(run: Run, indices: torch.Tensor, budgets: torch.Tensor, *, temperature: float,
                                  seed: int) -> RolloutBatch:
-    """``generate_and_grade`` without the broadcast: global rank 0's worker thread, generating ahead."""
+    """``generate_and_grade`` without the broadcast: global rank 0's worker thread, generating ahead
+    (``pipeline/rl/batches.py``)."""
     group_ids, completions, texts, rewards = _generate_and_grade_here(run, indices, budgets, temperature=temperature,
                                                                       seed=seed)
     return RolloutBatch(indices, [run.prompt_token_ids[i] for i in indices.tolist()], group_ids, completions,
@@ -126,73 +126,6 @@ def sample_step(run: Run, plan: StepPlan, *, generate: Callable[..., RolloutBatc
                         num_candidates=plan.num_candidates, selected=plan.selected, sampled=sampled,
                         metrics=plan.metrics | sampled.metrics, epoch_ended=any(plan.epochs_ended),
                         generate_seconds=time.perf_counter() - start)
-
-
-class StepAhead:
-    """``rollout.max_staleness=1``: step t+1's batch is generated while step t updates.
-
-    Global rank 0 runs the sampler (its rounds, its grading) on one worker thread, against
-    the engine in its own process; every rank plans the step (filter, budgets) itself, and
-    the finished batch reaches the other ranks, with the stream position the sampler's extra
-    draws left, at ``collect``. The worker's only shared state is the prompt stream (DAPO's
-    top-up draws) and the grading pool, which the loop leaves alone until ``collect``. The
-    engine's weights change only in ``push``, which first collects, so a batch is generated
-    with one version from its first round to its last; the loop pushes the actor's weights
-    right before launching the next batch, so that version is one update behind the step
-    that trains on it (the first step after a start, launched and collected at once, is on
-    policy).
-
-    Every call is collective, made at the same points of the loop on every rank.
-    """
-
-    def __init__(self, run: Run) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.run = run
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead") \
-            if run.context.rank == 0 else None
-        self.future = None
-        self.version = run.engine.weight_version if run.engine is not None else None
-        self.version = broadcast_from_rank0(self.version, world_size=run.context.world_size)
-
-    def launch(self, plan: StepPlan) -> None:
-        """Start generating ``plan``'s step with the engine's current weights."""
-        assert self.future is None and self.run.in_flight is None, "one batch in flight at a time"
-        self.future = self.worker.submit(sample_step, self.run, plan, generate=_generate_and_grade_on_rank0) \
-            if self.worker is not None else plan
-
-    def collect(self) -> None:
-        """Wait for the batch in flight (if any) and hand it, with the stream position, to every rank."""
-        if self.future is None:
-            return
-        future, self.future = self.future, None
-        payload = (future.result(), self.run.stream.state_dict()) if self.worker is not None else None
-        prepared, stream = broadcast_from_rank0(payload, world_size=self.run.context.world_size)
-        self.run.stream.load_state_dict(stream)
-        self.run.in_flight = prepared
-
-    def take(self, step: int) -> PreparedStep:
-        """Step ``step``'s batch: collected, loaded from the checkpoint, or (nothing in flight) generated now."""
-        self.collect()
-        if self.run.in_flight is None:
-            self.launch(plan_step(self.run, step))
-            self.collect()
-        prepared, self.run.in_flight = self.run.in_flight, None
-        assert prepared.step == step, (prepared.step, step)
-        return prepared
-
-    def push(self, *, version: int) -> None:
-        """The actor's weights to the engine as ``version``, after the batch in flight is complete."""
-        self.collect()
-        if self.version < version:
-            sync_actor_to_engine(self.run.actor, self.run.engine, version=version)
-            self.version = version
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown(wait=True, cancel_futures=True)
-        if self.run.engine is not None:
-            self.run.engine.close()
 
 
 def staleness_metrics(pool: RolloutBatch, *, version: int) -> dict[str, float]:

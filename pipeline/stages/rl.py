@@ -12,10 +12,12 @@ budget, sampler); the loop never branches on a method name. Everything a step ch
 in the checkpoint, and sampling seeds derive from (seed, step), so a resumed run
 reproduces an uninterrupted one bit for bit on CPU.
 
-With ``rollout.max_staleness=1`` the first two lines change places with the update: the
+Where the batch comes from is chosen once, by ``rollout.max_staleness``, from the
+``BATCH_SOURCES`` of ``pipeline/rl/batches.py``: ``now`` generates it at the step's start and
+pushes the weights after the update; ``ahead`` swaps the first two lines with the update: the
 step takes the batch generated during the previous step, pushes the weights, and starts
-generating the next batch (``StepAhead``) before its own update; the rest is the same loop
-(docs/rl.md, One-step-off-policy rollouts).
+generating the next batch before its own update (docs/rl.md, One-step-off-policy rollouts).
+The loop is the same for both.
 
 A stop (SIGTERM, or SLURM's SIGUSR1 before the time limit) heard by the end of a step's update
 skips that step's weight push and held-out score: the step is checkpointed and the loop ends. The
@@ -31,18 +33,16 @@ from pipeline.algorithms.depo import observed_zero_variance
 from pipeline.config import RLConfig
 from pipeline.errors import NonFiniteTrainingError, UserError
 from pipeline.models.spec import ModelSpec
+from pipeline.rl.batches import build_batch_source
 from pipeline.rl.registry import StepEnd
 from pipeline.rl.rollouts import to_train_batch
 from pipeline.rl.setup import InitialPolicy, StopRequest, setup_run
 from pipeline.rl.step import (
     PhaseTimer,
-    StepAhead,
     evaluate,
     finish,
-    plan_step,
     question_logprobs,
     record_statistics,
-    sample_step,
     staleness_metrics,
     step_metrics,
 )
@@ -131,7 +131,7 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
 
     from pipeline.config import collective_timeout_minutes
     from pipeline.parallel.rendezvous import initialize_process_context
-    from pipeline.stages.curate import load_curation
+    from pipeline.stats.curation import load_curation
 
     if context is None:
         context = initialize_process_context(
@@ -139,8 +139,9 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
             seed=cfg.seed, backend=None if cfg.parallel.backend == "auto" else cfg.parallel.backend,
             timeout_minutes=collective_timeout_minutes(parallel=cfg.parallel, rollout=cfg.rollout))
     curation = load_curation(cfg.curation_dir) if cfg.curation_dir is not None else None
-    run = setup_run(cfg, policy=initial_policy(cfg, context=context), context=context, curation=curation)
-    actor, methods, sampling, ledger = run.actor, run.methods, run.sampling, run.ledger
+    run = setup_run(cfg, policy=initial_policy(cfg, context=context), context=context,
+                    batch_source=build_batch_source, curation=curation)
+    actor, methods, sampling, ledger, batches = run.actor, run.methods, run.sampling, run.ledger, run.batches
     # A resumed run's engine gets the checkpoint's weights before anything is generated: the push a stop
     # skipped (docs/rl.md, Stopping on a signal), or the servers' restart weights.
     sync_actor_to_engine(actor, run.engine, version=run.start_step + 1)
@@ -155,25 +156,12 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
     end_step = cfg.steps if max_steps is None else min(cfg.steps, run.start_step + max_steps)
     bar = tqdm(range(run.start_step, end_step), initial=run.start_step, total=cfg.steps, desc="rl",
                disable=not cfg.logging.progress, unit="step")
-    # max_staleness=1: step t+1's batch is generated while step t updates (docs/rl.md).
-    ahead = StepAhead(run) if cfg.rollout.max_staleness > 0 else None
+    batches.start()
     try:
         with StopRequest() as stop:
             for step in bar:
                 timer, metrics = PhaseTimer(), {}
-                if ahead is None:
-                    with timer("filter"):
-                        plan = plan_step(run, step)
-                    with timer("generate_and_grade"):
-                        prepared = sample_step(run, plan)
-                else:
-                    with timer("generate_wait"):
-                        prepared = ahead.take(step)
-                    with timer("sync"):
-                        ahead.push(version=step + 1)
-                    if step + 1 < cfg.steps:
-                        with timer("filter"):
-                            ahead.launch(plan_step(run, step + 1))
+                prepared = batches.prepare(step, timer)
                 seed, temperature, selected = prepared.seed, prepared.temperature, prepared.selected
                 pool, rollouts, baseline = prepared.sampled.pool, prepared.sampled.train, prepared.sampled.baseline
                 metrics.update(prepared.metrics)
@@ -217,9 +205,8 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 # time, and fail or hang on servers that SIGTERM ends; the resumed run pushes the
                 # checkpoint's weights before it generates. The final step finishes as usual.
                 stopping = not final and stop.requested(world_size=run.context.world_size)
-                if ahead is None and not stopping:
-                    with timer("sync"):
-                        sync_actor_to_engine(actor, run.engine, version=step + 2)
+                if not stopping:  # now: pushed here; ahead: at the next step's start, after its batch is done
+                    batches.updated(version=step + 2, timer=timer)
 
                 mean_entropy = (float(entropy[batch.response_mask].mean()) if entropy is not None
                                 else update.metrics["entropy"])
@@ -242,8 +229,7 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 rollout = staleness_metrics(pool, version=step + 1)
                 if run.engine is not None:  # rank 0: the servers' states and recoveries (SGLang), {} locally
                     rollout.update(run.engine.metrics())
-                if ahead is not None:  # it overlapped the previous step: not one of this step's phases
-                    rollout["time/generate_ahead"] = prepared.generate_seconds
+                rollout.update(batches.metrics(prepared))
                 last = step_metrics(pool=pool, update=update, temperature=temperature, mean_entropy=mean_entropy,
                                     tokens=tokens, gradient_tokens=gradient_tokens, zero_variance=zero_variance,
                                     num_filtered=selected.dropped.numel(), num_candidates=prepared.num_candidates,
@@ -254,8 +240,7 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                     run.row_awaiting_eval = {key: value.item() if hasattr(value, "item") else value
                                              for key, value in last.items()}
                 elif scored:
-                    if ahead is not None:  # score this step's weights, not the ones generating ahead
-                        ahead.push(version=step + 2)
+                    batches.before_scoring(version=step + 2)
                     last.update(evaluate(run, temperature=cfg.temperature))
                 if run.writer is not None and run.row_awaiting_eval is None and \
                         (scored or (step + 1) % cfg.logging.log_every == 0):
@@ -264,14 +249,12 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 # A signal heard after the push still stops the run here, after this step's checkpoint.
                 stopping = stopping or (not final and stop.requested(world_size=run.context.world_size))
                 if final or (step + 1) % cfg.checkpoint.every_steps == 0 or stopping or step + 1 == end_step:
-                    if ahead is not None:  # the checkpoint holds the next step's batch, complete
-                        ahead.collect()
+                    batches.complete()
                     state, tensors = run.state()
                     run.checkpoints.save(step + 1, actor=actor, state=state, tensors=tensors)
                 if stopping:
                     break
     finally:
-        if ahead is not None:
-            ahead.close()
+        batches.close()
     finish(run)
     return last

@@ -30,15 +30,14 @@ def test_cw_builds_on_d3s():
 @pytest.mark.parametrize(("name", "parent", "changed"), [
     ("d3s_i_cpu", "d3s_cpu", {"algorithm.sample_selector"}),
     ("cw_grpo_cpu", "grpo_cpu", {"algorithm.token_weights"}),
-    ("pods_cpu", "grpo_cpu", {"algorithm.sample_selector", "algorithm.d3s.num_keep_init",
-                              "algorithm.d3s.num_keep_final", "algorithm.d3s.dynamic"}),
+    ("pods_cpu", "grpo_cpu", {"algorithm.sample_selector", "algorithm.pods.num_keep"}),
     ("dapo_cpu", "grpo_cpu", {"algorithm.sampling"}),
     ("ada_seq_pos_cpu", "ada_seq_balance_cpu", {"algorithm.ada_seq.exit_rule"}),
     ("ada_est_cpu", "grpo_cpu", {"algorithm.budget", "algorithm.ada_est.max_budget",  # min_budget 2 is the default
                                  "algorithm.advantage", "algorithm.baseline_weight"}),
     ("depo_cpu", "grpo_cpu", {"algorithm.prompt_filter"}),
     ("e3_cpu", "e3_temperature_cpu", {"algorithm.budget"}),
-    ("grpo_async_cpu", "grpo_cpu", {"rollout.max_staleness"}),  # [G/2, 2G] = [4, 16] are the defaults at G = 8
+    ("grpo_async_cpu", "grpo_cpu", {"rollout.max_staleness", "algorithm.rollout_correction"}),  # [G/2, 2G] = [4, 16] are the defaults at G = 8
 ])
 def test_method_recipes_differ_from_their_parent_only_in_their_method(name, parent, changed):
     child_values, parent_values = _flat(RECIPES[name]()), _flat(RECIPES[parent]())

@@ -45,8 +45,8 @@ def _alg(*names: str) -> set[str]:
 TABLE_3_ROW = r"d3s_n\d+to\d+_k\d+to\d+"
 DERIVED = {
     r"gspo_n32": ("grpo_n32", _alg("loss")),
-    r"pods": ("grpo_n32", _alg("sample_selector", "d3s.num_keep_final", "d3s.dynamic")),
-    r"gspo_pods": ("gspo_n32", _alg("sample_selector", "d3s.num_keep_final", "d3s.dynamic")),
+    r"pods": ("grpo_n32", _alg("sample_selector")),  # pods.num_keep's default is D³S's N_init, 8
+    r"gspo_pods": ("gspo_n32", _alg("sample_selector")),
     r"d3s": ("grpo_n32", _alg("sample_selector", "token_weights", "aggregation")),
     r"gspo_d3s": ("gspo_n32", _alg("sample_selector", "token_weights", "aggregation")),
     r"d3s_i": ("grpo_n32", _alg("sample_selector", "token_weights", "aggregation")),
@@ -190,15 +190,13 @@ def test_d3s_table_3_grid():
 
 
 def test_pods_keeps_d3s_initial_subset_size():
-    d3s = build("pods_qwen25_math_7b").algorithm.d3s
-    assert (d3s.num_keep_init, d3s.num_keep_final, d3s.dynamic) == (8, 8, False)
+    assert build("pods_qwen25_math_7b").algorithm.pods.num_keep == papers.D3S_NUM_KEEP[0] == 8
 
 
 def test_the_loop_gives_pods_its_subset_size():
-    cfg = build("pods_qwen25_math_7b")
-    methods = _methods(cfg)
-    assert methods.sample_selector.schedule is methods.shared[D3S_SCHEDULE]
-    assert methods.shared[D3S_SCHEDULE].schedule.value_at(0.5)[0] == 8
+    methods = _methods(build("pods_qwen25_math_7b"))
+    assert methods.sample_selector.schedule is None and D3S_SCHEDULE not in methods.shared
+    assert methods.sample_selector.num_keep == 8
 
 
 def test_reinforce_ada_section_4_1():

@@ -82,7 +82,7 @@ def test_one_d3s_schedule_drives_samples_and_tokens_and_advances_once_per_step()
 
 
 def test_state_round_trips_and_names_each_component_once():
-    cfg = AlgorithmConfig(sample_selector="pods", temperature="e3")
+    cfg = AlgorithmConfig(sample_selector="d3s_intra", temperature="e3")
     first, second = build_methods(cfg, _setting()), build_methods(cfg, _setting())
     for step in range(3):
         first.end_step(_end(step, entropy=2.0 + step))
