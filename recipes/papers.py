@@ -33,15 +33,14 @@ What every preset leaves to the user:
 
 Write a preset as YAML for ``winnow rl --config``::
 
-    python -m recipes.papers d3s_qwen25_math_7b runs/papers/d3s.yaml
-    python -m recipes.papers --list
+    python -m recipes d3s_qwen25_math_7b runs/papers/d3s.yaml
+    python -m recipes --list
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,14 +216,12 @@ def d3s_pods(*, backbone: str, loss: str = "grpo", policy: str | None = None) ->
 
     D³S does not state PODS's subset size; we keep 8 of the 32 samples, D³S's N_init, so
     PODS and D³S start from the same number of samples per prompt, held fixed for the run
-    (``algorithm.d3s`` carries the size; the schedule is off).
-    Changes from the baseline: ``algorithm.sample_selector`` and ``algorithm.d3s.*``.
+    (``algorithm.pods.num_keep``, whose default is that size).
+    Changes from the baseline: ``algorithm.sample_selector``.
     """
     cfg = d3s_baseline(backbone=backbone, loss=loss, policy=policy)
     cfg.algorithm = dataclasses.replace(
-        cfg.algorithm, sample_selector="pods",
-        d3s=dataclasses.replace(cfg.algorithm.d3s, num_keep_init=D3S_NUM_KEEP[0], num_keep_final=D3S_NUM_KEEP[0],
-                                dynamic=False),
+        cfg.algorithm, sample_selector="pods", pods=dataclasses.replace(cfg.algorithm.pods, num_keep=D3S_NUM_KEEP[0]),
     )
     return cfg
 
@@ -624,9 +621,3 @@ def write_yaml(name: str, path: str | Path, *, policy: str | None = None) -> Pat
     """Write preset ``name`` as a YAML file that ``winnow rl --config`` loads (atomically)."""
     path = Path(path)
     return configlib.save_resolved(build(name, policy=policy), path.parent, path.name)
-
-
-if __name__ == "__main__":
-    from pipeline.cli.presets import main
-
-    sys.exit(main())

@@ -5,9 +5,9 @@ the demo size (the bootstrap policy of ``winnow demo``). The H100 presets size c
 the estimator and evaluation for 7-8B policies served by SGLang. Each preset starts from
 the typed defaults (or from another preset) and changes only what differs.
 
-``<stage>_task(cfg)`` wraps a typed config as ``run.Partial(run_stage, stage=run.Config(Stage, ...))``,
-what ``nemo_run`` serializes, shows and lets its CLI override; building it gives back the
-typed stage, so the two forms never drift.
+``stage_task(stage)`` wraps a typed ``Stage`` as ``run.Partial(run_stage, stage=run.Config(Stage, ...))``
+(``rl_task(cfg)``: one rl stage), what ``nemo_run`` serializes, shows and lets its CLI override;
+building it gives back the typed stage, so the two forms never drift.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pipeline.config import (
     RewardConfig,
     TrainEstimatorConfig,
 )
-from pipeline.launch.campaign import ExportConfig, Resources, Stage, run_stage
+from pipeline.launch.campaign import Resources, Stage, run_stage
 
 # ================================================================ CPU presets
 
@@ -146,30 +146,6 @@ def stage_task(stage: Stage):
     return run.Partial(run_stage, stage=to_run_config(stage))
 
 
-def _task(name: str, kind: str, cfg: Any, resources: Resources | None):
-    return stage_task(Stage(name=name, kind=kind, config=cfg, resources=resources or Resources()))
-
-
-def bootstrap_task(cfg: BootstrapConfig | None = None, *, resources: Resources | None = None):
-    return _task("bootstrap", "bootstrap", cfg or bootstrap_cpu(), resources)
-
-
-def curate_task(cfg: CurateConfig, *, resources: Resources | None = None):
-    return _task("curate", "curate", cfg, resources)
-
-
-def train_estimator_task(cfg: TrainEstimatorConfig, *, resources: Resources | None = None):
-    return _task("train-estimator", "train-estimator", cfg, resources)
-
-
 def rl_task(cfg, *, resources: Resources | None = None):
-    return _task("rl", "rl", cfg, resources)
-
-
-def evaluate_task(cfg: EvaluateConfig, *, resources: Resources | None = None):
-    return _task("evaluate", "evaluate", cfg, resources)
-
-
-def export_task(cfg: ExportConfig, *, resources: Resources | None = None):
-    return _task("export", "export", cfg, resources)
-
+    """``stage_task`` of one rl stage named ``rl`` (``resources``: one rank by default)."""
+    return stage_task(Stage(name="rl", kind="rl", config=cfg, resources=resources or Resources()))

@@ -5,9 +5,14 @@ winnow is built in floors, each importing only from its own floor and the ones b
     errors, io → config → algorithms → parallel → models → checkpoint
     → data, rewards, stats, trainer, rollout, eval, estimator, rl → stages → launch → cli
 
+The library floor has sub-floors of its own (``SUB_FLOORS``), the same rule inside it:
+
+    stats, rewards, trainer → data → rollout → eval, estimator → rl
+
 Every import counts, including the ones made inside functions to keep ``winnow --help``
 fast (only ``if TYPE_CHECKING:`` blocks are exempt: they never run). On top of the floor
-order: no import cycles among ``pipeline`` modules; ``torch.distributed`` and megatron's
+order: no import cycles among the modules of ``pipeline``, ``recipes`` and ``tools``
+(a cycle through a ``__main__`` block counts too); ``torch.distributed`` and megatron's
 ``parallel_state`` only under ``parallel/``, ``trainer/`` and the conversion gate;
 ``argparse`` only under ``cli/`` and ``tools/``; ``recipes`` only from the CLI and tools;
 renames that publish a file (``os.replace``/``os.rename``/``Path.rename``) only in ``io`` and
@@ -38,6 +43,17 @@ FLOORS: dict[str, int] = {
     "cli": 9,
 }
 LIBRARY_CEILING = FLOORS["rl"]  # everything at or below this floor is the library
+# Inside the library floor: top-level name → its sub-floor (0 is the bottom). The statistics
+# store, the rewards and the trainer need no other library package; data reads answers with
+# the rewards' extractor; rollout engines, evaluation and the estimator consume data and
+# rollouts; the RL loop uses them all.
+SUB_FLOORS: dict[str, int] = {
+    "stats": 0, "rewards": 0, "trainer": 0,
+    "data": 1,
+    "rollout": 2,
+    "eval": 3, "estimator": 3,
+    "rl": 4,
+}
 DISTRIBUTED_MODULES = ("torch.distributed", "megatron.core.parallel_state")
 # The distributed-checkpoint *file format* (megatron's dist_checkpointing reads and writes it)
 # is no collective: the checkpoint floor may name its exceptions and readers.
@@ -96,6 +112,75 @@ def _floor(module: str) -> int | None:
     return FLOORS.get(parts[1])
 
 
+def _sub_floor(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "pipeline" or len(parts) < 2:
+        return None
+    return SUB_FLOORS.get(parts[1])
+
+
+def _sub_floor_violations(graph: dict[str, dict]) -> list[str]:
+    """Imports between library packages that go up the sub-floors."""
+    violations = []
+    for name, node in graph.items():
+        own = _sub_floor(name)
+        if own is None:
+            continue
+        for target, line in node["imports"]:
+            target_floor = _sub_floor(target)
+            if target_floor is not None and target_floor > own:
+                violations.append(f"{node['path'].relative_to(REPO)}:{line} imports {target} "
+                                  f"(sub-floor {target_floor} > {own})")
+    return violations
+
+
+def _import_cycles(graph: dict[str, dict]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan's algorithm, iteratively)."""
+    edges = {name: {target for target, _ in node["imports"] if target in graph and target != name}
+             for name, node in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(start: str) -> None:
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+
+    for name in sorted(edges):
+        if name not in index:
+            visit(name)
+    return cycles
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, dict]:
     files = _python_files("pipeline", "recipes", "tools")
@@ -132,49 +217,19 @@ def test_the_library_never_imports_stages_launch_cli_or_recipes(graph):
     assert not violations, "\n".join(violations)
 
 
+def test_every_library_package_has_a_sub_floor():
+    library = {name for name, floor in FLOORS.items() if floor == LIBRARY_CEILING}
+    assert set(SUB_FLOORS) == library, f"SUB_FLOORS must name exactly the library floor's packages: {sorted(library)}"
+
+
+def test_library_imports_only_go_down_the_sub_floors(graph):
+    violations = _sub_floor_violations(graph)
+    assert not violations, "\n".join(violations)
+
+
 def test_no_import_cycles(graph):
-    edges = {name: {target for target, _ in node["imports"] if target in graph and target != name}
-             for name, node in graph.items() if name.startswith("pipeline")}
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    cycles: list[list[str]] = []
-
-    def visit(start: str) -> None:  # Tarjan's strongly connected components, iteratively
-        work = [(start, iter(sorted(edges[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(edges.get(child, ())))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    cycles.append(sorted(component))
-
-    for name in sorted(edges):
-        if name not in index:
-            visit(name)
+    """No cycles among the modules of pipeline, recipes and tools (one module graph: a cycle may cross them)."""
+    cycles = _import_cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" ↔ ".join(cycle) for cycle in cycles)
 
 
@@ -227,3 +282,36 @@ def test_the_checker_sees_a_violation(tmp_path):
         REPO = saved
     assert [found for found in imports if found[0].startswith("pipeline")] == [("pipeline.stages.rl", 5)]
     assert _floor("pipeline.stages.rl") > _floor("pipeline.rewards.sample")
+
+
+def _fake_graph(tmp_path, imports: dict[str, list[str]]) -> dict[str, dict]:
+    """A module graph of made-up modules (each importing the listed ones at line 1)."""
+    return {name: {"path": tmp_path / (name.replace(".", "/") + ".py"), "imports": [(target, 1) for target in targets]}
+            for name, targets in imports.items()}
+
+
+def test_the_sub_floor_check_sees_an_upward_import(tmp_path):
+    global REPO
+    saved, REPO = REPO, tmp_path
+    try:
+        upward = _sub_floor_violations(_fake_graph(tmp_path, {
+            "pipeline.stats.store": ["pipeline.data.records"],  # 0 → 1: up
+            "pipeline.eval.runner": ["pipeline.estimator.model", "pipeline.rollout.types"],  # same, down
+            "pipeline.data.answers": ["pipeline.rewards.extract", "pipeline.config"],  # down, not library
+        }))
+    finally:
+        REPO = saved
+    assert upward == ["pipeline/stats/store.py:1 imports pipeline.data.records (sub-floor 1 > 0)"]
+
+
+def test_the_cycle_check_sees_a_cycle_across_packages(tmp_path):
+    graph = _fake_graph(tmp_path, {
+        "recipes.papers": ["pipeline.cli.presets", "pipeline.config"],
+        "pipeline.cli.presets": ["recipes.papers"],
+        "pipeline.config": [],
+        "tools.bench.sync": ["tools.bench.common"],
+        "tools.bench.common": ["tools.bench.sync", "pipeline.config"],
+        "recipes.__main__": ["pipeline.cli.presets"],
+    })
+    assert sorted(_import_cycles(graph)) == [["pipeline.cli.presets", "recipes.papers"],
+                                             ["tools.bench.common", "tools.bench.sync"]]

@@ -58,12 +58,21 @@ def _config_inputs(config_type: type) -> Callable[[argparse.Namespace], object]:
     return lambda args: configlib.load(config_type, yaml_path=args.config, overrides=args.overrides)
 
 
-def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_config_arguments(parser: argparse.ArgumentParser, *, example: str = "data.on_bad_row=skip") -> None:
+    """``--config`` and the overrides; ``example``: an override the command's config accepts."""
     parser.add_argument("--config", metavar="YAML", help="a YAML file of options to load first")
     parser.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE",
-        help="dotted overrides applied last, e.g. data.on_bad_row=skip",
+        help=f"dotted overrides applied last, e.g. {example}",
     )
+
+
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_config_arguments(parser, example="steps=60")
+
+
+def _add_bootstrap_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_config_arguments(parser, example="seed=1")
 
 
 # ---------------------------------------------------------------- data inspect
@@ -160,10 +169,11 @@ def _config_docs(args: argparse.Namespace) -> int:
 STAGES: list[Command] = [
     Command("rl", "the RL loop: generate, grade, select, update, sync, checkpoint",
             _add_config_arguments, _rl, _config_inputs(RLConfig)),
-    Command("demo", "the CPU demo: base policy, weight sync, pass@k on held-out sets, log-prob agreement",
-            _add_config_arguments, _demo, _config_inputs(DemoConfig)),
+    Command("demo", "the CPU campaign in one process: base policy, curation, estimator, three RL variants "
+            "(default, grpo, methods), pass@k and token cost of each, a results table",
+            _add_demo_arguments, _demo, _config_inputs(DemoConfig)),
     Command("bootstrap", "train the tokenizer and supervised base policy of the CPU demo (cached)",
-            _add_config_arguments, _bootstrap, _config_inputs(BootstrapConfig)),
+            _add_bootstrap_arguments, _bootstrap, _config_inputs(BootstrapConfig)),
 ]
 
 

@@ -16,7 +16,8 @@ def run_curate_command(args: argparse.Namespace) -> int:
     """`winnow curate [--config YAML] [key=value ...]`: run, then print the counts and where the outputs are."""
     from pipeline import configlib
     from pipeline.config import CurateConfig
-    from pipeline.stages.curate import KEPT_FILE, MANIFEST_FILE, PASS_RATES_FILE, PLOT_FILE, REPORT_FILE, run_curate
+    from pipeline.stages.curate import run_curate
+    from pipeline.stats.curation import KEPT_FILE, MANIFEST_FILE, PASS_RATES_FILE, PLOT_FILE, REPORT_FILE
 
     cfg = configlib.load(CurateConfig, yaml_path=args.config, overrides=args.overrides)
     result = run_curate(cfg)

@@ -118,10 +118,6 @@ def stage_inputs(cfg: Any, dims: planner.ModelDims, *, resources: Any, args: arg
     )
 
 
-def _mib(value: int) -> str:
-    return f"{value / GIB:8.2f}"
-
-
 def format_plan(result: planner.Plan, *, title: str) -> str:
     """The per-GPU table, KV cache, context, time and the verdict."""
     inputs = result.inputs

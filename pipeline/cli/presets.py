@@ -1,4 +1,4 @@
-"""``python -m recipes.papers``: write a paper preset (``recipes/papers.py``) as YAML for ``winnow rl --config``."""
+"""``python -m recipes``: write a paper preset (``recipes/papers.py``) as YAML for ``winnow rl --config``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from recipes.papers import PAPER_PRESETS, write_yaml
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipes.papers",
+    parser = argparse.ArgumentParser(prog="python -m recipes",
                                      description="write a paper preset as YAML for `winnow rl --config`")
     parser.add_argument("name", nargs="?", help="preset name (see --list)")
     parser.add_argument("out", nargs="?", help="YAML file to write")

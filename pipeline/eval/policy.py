@@ -9,7 +9,8 @@
   ``step_*`` directory, or a bootstrap cache entry (``<cache>/<hash>/`` holding
   ``checkpoints/`` and ``tokenizer/``). The manifest's ``model_spec`` describes the
   model; a TP=1/PP=1 ``GPTModel`` with megatron's local layer spec is built under a
-  one-rank gloo ``ParallelContext``, only its weights are read
+  one-rank megatron layout (``single_rank_megatron``: a gloo group unless the process
+  has its own), only its weights are read
   (``dist_checkpointing.load({"model": ...})`` reshards from whatever TP/PP layout
   saved them; optimizer, schedule and RNG states are ignored), and they are mapped to
   Hugging Face names by ``pipeline.checkpoint.convert.megatron_to_hf_state`` — the
@@ -31,6 +32,7 @@ says where it looked.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -117,9 +119,10 @@ def load_policy(
     (``weights=False``: everything but the weights).
 
     ``context``: an existing one-rank ``ParallelContext`` to build a winnow checkpoint's
-    model under. Without one, a one-rank gloo context is brought up for the load and
-    torn down afterwards; a process that already runs ``torch.distributed`` must pass its
-    own (megatron cannot be initialized twice).
+    model under. Without one, ``pipeline.parallel.rendezvous.single_rank_megatron`` provides
+    the layout: the process's own one-rank megatron, else a one-rank gloo group brought up
+    for the load and torn down afterwards; a process on more than one rank is refused
+    (megatron cannot be initialized twice).
     """
     if dtype not in DTYPES:
         raise PolicyError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
@@ -188,25 +191,22 @@ def _megatron_weights_as_hf(step_dir: Path, *, spec, context) -> torch.nn.Module
     from pipeline.checkpoint.hf_map import MegatronLayout
     from pipeline.models.factory import build_gpt_model
     from pipeline.models.layer_spec import select_layer_spec
-    from pipeline.parallel.rendezvous import initialize_process_context, process_group_initialized
+    from pipeline.parallel.rendezvous import single_rank_megatron
     from pipeline.rollout.weight_sync import build_hf_model
 
-    owned = context is None
-    if owned:
-        if process_group_initialized():
-            raise PolicyError(
-                "this process already runs torch.distributed; pass its one-rank ParallelContext as context="
-            )
-        context = initialize_process_context(seed=0, backend="gloo")
-    try:
-        if (context.world_size, context.tensor_parallel, context.pipeline_parallel) != (1, 1, 1):
-            raise PolicyError(
-                f"loading a policy for evaluation needs a one-rank context, got world size {context.world_size} "
-                f"(TP={context.tensor_parallel}, PP={context.pipeline_parallel})"
-            )
+    purpose = "loading a policy for evaluation"
+    if context is not None and (context.world_size, context.tensor_parallel, context.pipeline_parallel) != (1, 1, 1):
+        raise PolicyError(
+            f"{purpose} needs a one-rank context, got world size {context.world_size} "
+            f"(TP={context.tensor_parallel}, PP={context.pipeline_parallel})"
+        )
+    # Only the weights are read, so a group of its own is gloo: the model is built on the CPU.
+    layout = nullcontext(context) if context is not None else single_rank_megatron(0, purpose=purpose, backend="gloo")
+    with layout as layout_context:
         # The local spec everywhere: its checkpoint keys equal Transformer Engine's, and
         # the converted HF model runs on any machine.
-        module = build_gpt_model(spec, parallel_context=context, layer_spec=select_layer_spec(spec, prefer_te=False))
+        module = build_gpt_model(spec, parallel_context=layout_context,
+                                 layer_spec=select_layer_spec(spec, prefer_te=False))
         load_weights(step_dir, module)
         state = {
             name: tensor.detach() for name, tensor in module.state_dict().items() if not name.endswith("_extra_state")
@@ -214,7 +214,4 @@ def _megatron_weights_as_hf(step_dir: Path, *, spec, context) -> torch.nn.Module
         hf_model = build_hf_model(spec)
         copy_into_model(hf_model, megatron_to_hf_state([[state]], spec=spec, layout=MegatronLayout.build(spec)))
         del module, state
-    finally:
-        if owned:
-            context.destroy()
     return hf_model.eval()

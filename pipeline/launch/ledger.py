@@ -132,7 +132,7 @@ def bootstrap_tokens(name: str, cfg) -> StageTokens:
 
 
 def curate_tokens(name: str, cfg) -> StageTokens:
-    from pipeline.stages.curate import MANIFEST_FILE
+    from pipeline.stats.curation import MANIFEST_FILE
 
     manifest = _read_json(Path(cfg.output_dir) / MANIFEST_FILE)
     if manifest is None:

@@ -10,8 +10,9 @@
   never travel through them at scale.
 * ``all_gather_objects``: every rank's small object on every rank (the checkpoint manager's
   agreement on whether a save failed: one short string or ``None`` per rank).
-* ``single_rank_megatron``: megatron on a one-rank group for a tool that runs in one process
-  (checkpoint conversion), reusing the process's own when it already has one.
+* ``single_rank_megatron``: megatron on a one-rank group for work that runs in one process
+  (checkpoint conversion, loading a winnow checkpoint to evaluate), reusing the process's own
+  when it already has one.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from pipeline.parallel.context import ParallelContext
 
 __all__ = [
     "all_gather_objects",
@@ -113,12 +117,15 @@ def all_gather_objects(payload: Any, *, world_size: int) -> list[Any]:
 
 
 @contextmanager
-def single_rank_megatron(seed: int, *, purpose: str = "this") -> Iterator[None]:
+def single_rank_megatron(seed: int, *, purpose: str = "this",
+                         backend: str | None = None) -> Iterator[ParallelContext | None]:
     """A one-rank megatron layout (TP = PP = 1) for this process: reused if the process already has one.
 
-    Without one, a one-rank group on 127.0.0.1 is brought up (nccl with CUDA, else gloo;
-    torchrun's environment is ignored: the work is this process's alone) and torn down on
-    exit. A process that already runs megatron or torch.distributed on more than one rank
+    Without one, a one-rank group on 127.0.0.1 is brought up (``backend``; ``None`` picks nccl
+    with CUDA, else gloo; torchrun's environment is ignored: the work is this process's alone),
+    yielded as its ``ParallelContext`` and torn down on exit; a reused layout yields ``None``
+    (its owner holds the context; models built without one are TP = PP = 1 on this process's
+    device). A process that already runs megatron or torch.distributed on more than one rank
     is refused with a ``UserError`` naming ``purpose``: megatron cannot be initialized twice.
     """
     from megatron.core import parallel_state
@@ -138,7 +145,7 @@ def single_rank_megatron(seed: int, *, purpose: str = "this") -> Iterator[None]:
                 f"{purpose} needs a one-rank process; this one already runs megatron on {sizes[0]} ranks "
                 f"(TP={sizes[1]}, PP={sizes[2]})"
             )
-        yield
+        yield None
         return
     if dist.is_initialized() and dist.get_world_size() != 1:
         raise UserError(
@@ -153,8 +160,9 @@ def single_rank_megatron(seed: int, *, purpose: str = "this") -> Iterator[None]:
         local_rank=0,
         master_addr="127.0.0.1",
         master_port=free_port(),
+        backend=backend,
     )
     try:
-        yield
+        yield context
     finally:
         context.destroy()

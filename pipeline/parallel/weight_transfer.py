@@ -23,7 +23,8 @@ TP = 4, PP = 2, DP = 1, with the default 512 MB bucket.
   bucket tensor by tensor from rank 0: the whole model, 15.2 GB, per sync, to every server.
   NCCL on GPU, gloo on CPU.
 * ``sync_gather`` / ``sync_broadcast``: small control objects (a sync's plan, the file lists
-  of a disk export: a few kB) over the training world.
+  of a disk export: a few kB) over the training world: ``pipeline.parallel.rendezvous``'s
+  ``gather_to_rank0`` / ``broadcast_from_rank0``, offered here under the sync's names.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+# A sync's control objects travel through the rank-0 object collectives of ``rendezvous``.
+from pipeline.parallel.rendezvous import broadcast_from_rank0 as sync_broadcast
+from pipeline.parallel.rendezvous import gather_to_rank0 as sync_gather
 
 __all__ = [
     "BucketRelay",
@@ -124,24 +129,6 @@ class BucketRelay:
             dist.recv(tensor, src=src)
             bucket.append((name, tensor))
         return bucket
-
-
-def sync_broadcast(payload: Any, *, world_size: int) -> Any:
-    """Global rank 0's small control object on every rank."""
-    if world_size == 1:
-        return payload
-    box = [payload]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def sync_gather(payload: Any, *, rank: int, world_size: int) -> list[Any] | None:
-    """Every rank's small control object on global rank 0 (rank order); ``None`` elsewhere."""
-    if world_size == 1:
-        return [payload]
-    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(payload, gathered, dst=0)
-    return gathered
 
 
 class UpdateGroup:

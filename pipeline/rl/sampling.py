@@ -426,16 +426,20 @@ class Sampling:
         return metrics
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """(JSON state, tensors) for the checkpoint; the filter's tensors are prefixed ``filter.``."""
+        """(JSON state, tensors) for the checkpoint: the filter's ``{"json", "tensors"}`` (tensors prefixed
+        ``filter.``), the budget's and the sampler's ``state_dict`` (JSON)."""
         filter_state = self.prompt_filter.state_dict() or {"tensors": {}, "json": {}}
         tensors = {self.TENSOR_PREFIX + name: tensor for name, tensor in filter_state["tensors"].items()}
-        return {"filter": filter_state["json"], "budget": self.budget.state_dict()}, tensors
+        return {"filter": filter_state["json"], "budget": self.budget.state_dict(),
+                "sampler": self.sampler.state_dict()}, tensors
 
     def load_state(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         filter_tensors = {name.removeprefix(self.TENSOR_PREFIX): tensor for name, tensor in tensors.items()
                           if name.startswith(self.TENSOR_PREFIX)}
         self.prompt_filter.load_state_dict({"tensors": filter_tensors, "json": state["filter"]})
         self.budget.load_state_dict(state["budget"])
+        # A checkpoint without "sampler" predates saving it, when every sampler was stateless ({}).
+        self.sampler.load_state_dict(state.get("sampler", {}))
 
 
 def build_sampling(cfg: AlgorithmConfig, setting: MethodSetting) -> Sampling:

@@ -24,20 +24,12 @@ A curation that keeps no prompt (in step 3 or 5) is a ``CurationError`` saying h
 prompts each rule took and which options to change (``nothing_kept_error``), never an empty
 ``kept.jsonl``.
 
-Outputs under ``output_dir``:
-
-    shards/shard_XXXXX.parquet  id, source, problem, answer, metadata (JSON), n, c, pass_rate,
-                                difficulty, num_generated_tokens, question_logprob (the policy's mean
-                                log-prob of the question tokens: DEPO's distillation target) — one row
-                                per sampled prompt
-    pass_rates.parquet          every loaded prompt: id, spec (its entry of ``sources``), source, n, c,
-                                pass_rate (null when not sampled), difficulty, kept, drop_reason
-                                (null when kept)
-    kept.jsonl                  the kept prompts in the loaders' JSONL format: ``{"id", "problem",
-                                "answer", **metadata}``, read back by ``load_prompts(path)``
-    report.md, difficulty.png   counts per rule, difficulty histograms before/after
-    manifest.json               config, versions, timings, counts, shard status; written last,
-                                so its presence marks a complete curation
+Outputs under ``output_dir`` (``pipeline.stats.curation`` owns their names and formats):
+the shards (``shards/shard_XXXXX.parquet``, one row per sampled prompt, with the policy's mean
+log-prob of the question tokens: DEPO's distillation target), ``pass_rates.parquet`` (every
+loaded prompt), ``kept.jsonl`` (the kept prompts, read back by ``load_prompts(path)``),
+``report.md`` and ``difficulty.png``, and ``manifest.json``, written last, so its presence
+marks a complete curation.
 
 A shard records a fingerprint of what determines its samples: the policy's exact weights
 (``LoadedPolicy.source``), tokenizer, sampling options, shard size, template, dtype, the
@@ -47,9 +39,9 @@ thresholds are not part of it: rerunning with other thresholds re-applies the ru
 stored shards without generating.
 Samples are reproducible on one device type (CPU and GPU kernels differ in the last bits).
 
-``load_curation(output_dir)`` reads a finished curation back as a ``CurationResult``: the
-per-prompt ``(n, c)`` that seed the statistics store, E3 ranks, Ada-Est priors and the
-difficulty estimator's first training set.
+``pipeline.stats.curation.load_curation(output_dir)`` reads a finished curation back as a
+``CurationResult``: the per-prompt ``(n, c)`` that seed the statistics store, E3 ranks, Ada-Est
+priors and the difficulty estimator's first training set.
 """
 
 from __future__ import annotations
@@ -58,7 +50,6 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +58,6 @@ import numpy as np
 from pipeline import configlib
 from pipeline.config import CurateConfig
 from pipeline.configlib import ConfigError
-from pipeline.errors import UserError
 from pipeline.eval.sharded import (
     SamplingOptions,
     Shard,
@@ -83,55 +73,24 @@ from pipeline.eval.sharded import (
 )
 from pipeline.eval.sharded import curation_shard_seed as shard_seed
 from pipeline.io import atomic_write, atomic_write_text, package_versions
+from pipeline.stats.curation import (
+    FORMAT_VERSION,
+    KEPT_FILE,
+    MANIFEST_FILE,
+    PASS_RATES_FILE,
+    PLOT_FILE,
+    REPORT_FILE,
+    SHARDS_DIR,
+    CurationError,
+    CurationResult,
+    pass_rates,
+    write_kept,
+    write_manifest,
+    write_pass_rates,
+)
 
-# ================================================================ outputs
-
-SHARDS_DIR = "shards"
-PASS_RATES_FILE = "pass_rates.parquet"
-KEPT_FILE = "kept.jsonl"
-MANIFEST_FILE = "manifest.json"
-REPORT_FILE = "report.md"
-PLOT_FILE = "difficulty.png"
-FORMAT_VERSION = 2  # 2: shards carry question_logprob
 _SHARD_METADATA_KEY = b"winnow.curate"
 _RESERVED_KEYS = ("id", "problem", "answer")  # kept.jsonl's own fields; metadata may not shadow them
-
-
-class CurationError(UserError):
-    """An output directory that does not fit this run, or a curation that is missing or incomplete."""
-
-
-@dataclass(frozen=True, slots=True)
-class CurationResult:
-    """Per-prompt curation outcome, every loaded prompt in load order (P of them).
-
-    ``num_samples``/``num_correct`` are 0 and ``pass_rates`` NaN for prompts dropped before
-    sampling (``drop_reasons`` says why); ``drop_reasons`` is ``""`` for kept prompts.
-    """
-
-    output_dir: Path
-    prompt_ids: list[str]
-    specs: list[str]  # the entry of ``CurateConfig.sources`` each prompt came from
-    sources: list[str]  # ``Prompt.source``
-    num_samples: np.ndarray  # (P,) int64: n
-    num_correct: np.ndarray  # (P,) int64: c
-    pass_rates: np.ndarray  # (P,) float64: c / n, NaN where n == 0
-    kept_mask: np.ndarray  # (P,) bool
-    drop_reasons: list[str]
-    samples_per_prompt: int  # k of the run
-    counts: dict[str, int]  # total, each rule, kept
-
-    @property
-    def sampled_mask(self) -> np.ndarray:
-        return self.num_samples > 0  # (P,)
-
-    @property
-    def kept_ids(self) -> list[str]:
-        return [prompt_id for prompt_id, kept in zip(self.prompt_ids, self.kept_mask) if kept]
-
-    @property
-    def kept_path(self) -> Path:
-        return self.output_dir / KEPT_FILE
 
 
 # ================================================================ the stage
@@ -225,11 +184,11 @@ def run_curate(cfg: CurateConfig, *, context=None, engine=None, out: Callable[[s
     )
     result = CurationResult(
         output_dir=output_dir, prompt_ids=[p.id for p in prompts], specs=specs, sources=[p.source for p in prompts],
-        num_samples=num_samples, num_correct=num_correct, pass_rates=_pass_rates(num_samples, num_correct),
+        num_samples=num_samples, num_correct=num_correct, pass_rates=pass_rates(num_samples, num_correct),
         kept_mask=drop_reasons == rules.KEPT, drop_reasons=drop_reasons.tolist(),
         samples_per_prompt=cfg.num_samples, counts=rules.count_reasons(drop_reasons),
     )
-    _write_pass_rates(output_dir / PASS_RATES_FILE, result)
+    write_pass_rates(output_dir / PASS_RATES_FILE, result, difficulty=_difficulty_names(result))
     histograms = _difficulty_histograms(result)
     report = _report(cfg, result, histograms=histograms, policy_source=policy.source)
     atomic_write_text(output_dir / REPORT_FILE, report)
@@ -239,11 +198,10 @@ def run_curate(cfg: CurateConfig, *, context=None, engine=None, out: Callable[[s
         # other rules re-applies them without generating.
         raise nothing_kept_error(cfg, result.counts, max_positions=policy.max_position_embeddings,
                                  report=output_dir / REPORT_FILE)
-    _write_kept(output_dir / KEPT_FILE, [p for p, kept in zip(prompts, result.kept_mask) if kept])
+    write_kept(output_dir / KEPT_FILE, [p for p, kept in zip(prompts, result.kept_mask) if kept])
     timings["outputs_s"] = time.perf_counter() - phase
     timings["total_s"] = time.perf_counter() - started
     manifest = {
-        "format": FORMAT_VERSION,
         "config": configlib.to_dict(cfg),
         "versions": package_versions(),
         "policy": policy.source,
@@ -259,7 +217,7 @@ def run_curate(cfg: CurateConfig, *, context=None, engine=None, out: Callable[[s
         "outputs": {"pass_rates": PASS_RATES_FILE, "kept": KEPT_FILE, "report": REPORT_FILE, "plot": PLOT_FILE,
                     "shards": SHARDS_DIR},
     }
-    atomic_write_text(output_dir / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+    write_manifest(output_dir, manifest)
     out(f"done in {timings['total_s']:.1f} s: {result.counts['kept']:,} of {result.counts['total']:,} prompts kept")
     return result
 
@@ -293,37 +251,6 @@ def nothing_kept_error(cfg: CurateConfig, counts: dict[str, int], *, max_positio
         f"as too long for the context (prompt + max_new_tokens={cfg.max_new_tokens} > {context}), "
         f"{by_difficulty:,} by the difficulty rules ({details}), {screen:,} by the screen (reference_fails "
         f"{counts[rules.REFERENCE_FAILS]:,}, duplicate {counts[rules.DUPLICATE]:,}); {'; '.join(fixes)}{where}"
-    )
-
-
-def load_curation(output_dir: str | Path) -> CurationResult:
-    """Read a finished curation (``manifest.json`` present) back from ``output_dir``."""
-    import pyarrow.parquet as pq
-
-    output_dir = Path(output_dir)
-    manifest_path = output_dir / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise CurationError(f"{output_dir}: no complete curation here ({MANIFEST_FILE} is missing; "
-                            "run `winnow curate` to finish it)")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT_VERSION:
-        raise CurationError(f"{manifest_path}: format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}")
-    table = pq.read_table(output_dir / PASS_RATES_FILE)
-    num_samples = table.column("n").to_numpy().astype(np.int64)
-    num_correct = table.column("c").to_numpy().astype(np.int64)
-    reasons = [reason or "" for reason in table.column("drop_reason").to_pylist()]
-    return CurationResult(
-        output_dir=output_dir,
-        prompt_ids=table.column("id").to_pylist(),
-        specs=table.column("spec").to_pylist(),
-        sources=table.column("source").to_pylist(),
-        num_samples=num_samples,
-        num_correct=num_correct,
-        pass_rates=_pass_rates(num_samples, num_correct),
-        kept_mask=table.column("kept").to_numpy(zero_copy_only=False).astype(bool),
-        drop_reasons=reasons,
-        samples_per_prompt=int(manifest["config"]["num_samples"]),
-        counts={key: int(value) for key, value in manifest["counts"].items()},
     )
 
 
@@ -508,14 +435,6 @@ def _shard_table(results, *, shard: Shard, fingerprint: str, question_logprobs: 
     return table.replace_schema_metadata({_SHARD_METADATA_KEY: json.dumps(metadata).encode()})
 
 
-def _pass_rates(num_samples: np.ndarray, num_correct: np.ndarray) -> np.ndarray:
-    """``(P,)`` c / n, NaN where nothing was sampled."""
-    rates = np.full(num_samples.shape, np.nan)
-    sampled = num_samples > 0
-    rates[sampled] = num_correct[sampled] / num_samples[sampled]
-    return rates
-
-
 # ================================================================ writing
 
 
@@ -525,9 +444,8 @@ def _atomic_write_parquet(path: Path, table) -> None:
     atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
-def _write_pass_rates(path: Path, result: CurationResult) -> None:
-    import pyarrow as pa
-
+def _difficulty_names(result: CurationResult) -> list[str | None]:
+    """``(P,)`` each prompt's difficulty bucket name (``pass_rates.parquet``'s column); ``None`` where not sampled."""
     from pipeline.stages.curate_rules import DIFFICULTY_BUCKETS, difficulty_bucket
 
     sampled = result.sampled_mask
@@ -536,26 +454,7 @@ def _write_pass_rates(path: Path, result: CurationResult) -> None:
         buckets = difficulty_bucket(result.num_samples[sampled], result.num_correct[sampled])
         for index, bucket in zip(np.flatnonzero(sampled), buckets):
             difficulty[index] = DIFFICULTY_BUCKETS[bucket]
-    table = pa.table({
-        "id": result.prompt_ids,
-        "spec": result.specs,
-        "source": result.sources,
-        "n": pa.array(result.num_samples, pa.int64()),
-        "c": pa.array(result.num_correct, pa.int64()),
-        "pass_rate": pa.array(result.pass_rates, pa.float64(), mask=~sampled),
-        "difficulty": pa.array(difficulty, pa.string()),
-        "kept": pa.array(result.kept_mask, pa.bool_()),
-        "drop_reason": pa.array([reason or None for reason in result.drop_reasons], pa.string()),
-    })
-    _atomic_write_parquet(path, table)
-
-
-def _write_kept(path: Path, prompts: Sequence) -> None:
-    # Flat rows in the loaders' JSONL format: id/problem/answer are read as such and every
-    # other key comes back as metadata, so load_prompts(path) restores the records.
-    lines = [json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer, **p.metadata}, ensure_ascii=False)
-             for p in prompts]
-    atomic_write_text(path, "".join(line + "\n" for line in lines))
+    return difficulty
 
 
 # ================================================================ report

@@ -60,7 +60,7 @@ def load_training_set(curation_dir: str | Path) -> tuple[list[str], list[str], n
     policy's mean question log-probs ``(P,)`` (DEPO's distillation target), and k."""
     import pyarrow.parquet as pq
 
-    from pipeline.stages.curate import SHARDS_DIR, CurationError, load_curation
+    from pipeline.stats.curation import SHARDS_DIR, CurationError, load_curation
 
     curation = load_curation(curation_dir)
     problem_of: dict[str, str] = {}

@@ -194,7 +194,7 @@ def test_marked_commands_dry_run(world: DryRun, capsys: pytest.CaptureFixture[st
         outside = world.paths_outside(words)
         assert not outside, f"{line}: paths the test cannot place: {outside} (use /models/<name> or /lustre/...)"
         program = Path(words[0]).name
-        if program.startswith("python") and words[1:3] == ["-m", "recipes.papers"]:
+        if program.startswith("python") and words[1:3] == ["-m", "recipes"]:
             code, output = _run(write_preset, words[3:], capsys)
         elif program == "winnow" and words[1:3] == ["convert", "hf-to-megatron"]:
             _check_convert(words[1:], world)

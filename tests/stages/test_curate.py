@@ -20,10 +20,10 @@ from pipeline.stages.curate import (
     REPORT_FILE,
     CurateConfig,
     CurationError,
-    load_curation,
     run_curate,
     shard_seed,
 )
+from pipeline.stats.curation import load_curation
 
 ARITH_SOURCES = ["arith?difficulty=1&size=12", "arith?difficulty=2&size=12"]
 CONTEXT = 40  # the policy's max_position_embeddings

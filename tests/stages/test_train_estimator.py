@@ -40,6 +40,7 @@ class _FakeResult:
 def _write_curation(directory, *, num_prompts: int, k: int = 8) -> list[str]:
     """A finished curation in `winnow curate`'s layout, written with its own writers; returns sampled ids."""
     from pipeline.stages import curate
+    from pipeline.stats import curation
 
     texts, rates = digits_texts(num_prompts, seed=5)
     prompts = [_FakePrompt(id=f"p{i:04d}", problem=text) for i, text in enumerate(texts)]
@@ -48,26 +49,25 @@ def _write_curation(directory, *, num_prompts: int, k: int = 8) -> list[str]:
     num_samples[::10] = 0  # dropped before sampling (e.g. too long): no shard row, no pass rate
     num_correct[::10] = 0
     sampled = np.flatnonzero(num_samples > 0)
-    (directory / curate.SHARDS_DIR).mkdir(parents=True)
+    (directory / curation.SHARDS_DIR).mkdir(parents=True)
     for index, start in enumerate(range(0, sampled.size, 40)):
         rows = sampled[start : start + 40]
         shard = Shard(index=index, prompts=[prompts[i] for i in rows], seed=index,
-                      path=directory / curate.SHARDS_DIR / f"shard_{index:05d}.parquet")
+                      path=directory / curation.SHARDS_DIR / f"shard_{index:05d}.parquet")
         results = [_FakeResult(prompt=prompts[i], num_samples=k, num_correct=int(num_correct[i])) for i in rows]
         # The policy's question log-prob: easier (higher pass rate) questions are more familiar.
         question_logprobs = -3.0 + 2.0 * rates[rows]
         curate._atomic_write_parquet(shard.path, curate._shard_table(results, shard=shard, fingerprint="fake",
                                                                       question_logprobs=question_logprobs))
-    result = curate.CurationResult(
+    result = curation.CurationResult(
         output_dir=directory, prompt_ids=[p.id for p in prompts], specs=["fake"] * num_prompts,
         sources=["synthetic"] * num_prompts, num_samples=num_samples, num_correct=num_correct,
-        pass_rates=curate._pass_rates(num_samples, num_correct), kept_mask=num_samples > 0,
+        pass_rates=curation.pass_rates(num_samples, num_correct), kept_mask=num_samples > 0,
         drop_reasons=["" if n else "too_long" for n in num_samples], samples_per_prompt=k,
         counts={"total": num_prompts, "kept": int(sampled.size), "too_long": num_prompts - int(sampled.size)},
     )
-    curate._write_pass_rates(directory / curate.PASS_RATES_FILE, result)
-    manifest = {"format": curate.FORMAT_VERSION, "config": {"num_samples": k}, "counts": result.counts}
-    (directory / curate.MANIFEST_FILE).write_text(json.dumps(manifest))
+    curation.write_pass_rates(directory / curation.PASS_RATES_FILE, result, difficulty=curate._difficulty_names(result))
+    curation.write_manifest(directory, {"config": {"num_samples": k}, "counts": result.counts})
     return [prompts[i].id for i in sampled]
 
 

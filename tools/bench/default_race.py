@@ -163,7 +163,8 @@ def run_curation(pool_path: Path, out: Path, *, context, overrides: Sequence[str
     from pipeline import configlib
     from pipeline.config import RLConfig
     from pipeline.stages.bootstrap import run_bootstrap
-    from pipeline.stages.curate import MANIFEST_FILE, run_curate
+    from pipeline.stages.curate import run_curate
+    from pipeline.stats.curation import MANIFEST_FILE
     from recipes.stages import curate_cpu
 
     manifest = out / MANIFEST_FILE
