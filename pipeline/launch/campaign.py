@@ -446,9 +446,11 @@ def _run_train_estimator(cfg: TrainEstimatorConfig, *, context, out) -> StageOut
 
 def rl_finished(cfg: RLConfig) -> bool:
     """The run checkpointed its last step (the loop always saves the final one)."""
-    from pipeline.checkpoint.manager import CheckpointManager
+    # The artifact layout, not the manager: the node role asks this after its ranks exit, and
+    # importing megatron for a directory listing costs every rl stage ~4 s of CPU.
+    from pipeline.checkpoint.artifact import list_steps
 
-    steps = CheckpointManager(cfg.checkpoint.directory, keep_last=1).list_steps()
+    steps = list_steps(cfg.checkpoint.directory)
     return bool(steps) and steps[-1] >= cfg.steps
 
 
@@ -625,7 +627,7 @@ def wire_campaign(
     its resources describe how to train it if needed, so neither is an error when it is not.
     """
     from pipeline.stages.bootstrap import config_hash
-    from pipeline.stages.curate import KEPT_FILE
+    from pipeline.stats.curation import KEPT_FILE
     from pipeline.stages.train_estimator import ESTIMATOR_DIR
 
     if not rl_variants:
