@@ -372,18 +372,22 @@ def _sample_with(sampler: ShardSampler, shards: list[Shard], *, policy, cfg: Cur
 
 
 def question_mean_logprobs(model, prompts: list[list[int]], *, pad_id: int, batch_rows: int = 64,
-                           batch_tokens: int = 8192) -> np.ndarray:
+                           batch_tokens: int = 8192, head_tokens: int = 1024) -> np.ndarray:
     """``(B,)`` the policy's mean log-prob of each prompt's tokens after the first: the
     inverse-perplexity target of DEPO's L_distill (``depo.perplexity_targets``).
 
-    Runs on the model's device (the head node's GPU in a campaign). A batch holds at most
-    ``batch_rows`` prompts and ``batch_tokens`` padded positions: its float32 logits and their
-    log-softmax are 2 × tokens × V × 4 bytes, 9.9 GB at 8,192 tokens and Qwen2.5's 151,936-token
-    vocabulary, beside the 15.2 GB of a 7B policy in bf16.
+    ``model`` is a Hugging Face causal LM (``get_decoder``, ``get_output_embeddings``), on its own
+    device (the head node's GPU in a campaign). A batch holds at most ``batch_rows`` prompts and
+    ``batch_tokens`` padded positions through the decoder; the vocabulary head then runs on at
+    most ``head_tokens`` of its real positions at a time, so the float32 logits of a chunk and
+    their exp are 2 × 1,024 × V × 4 bytes: 1.2 GB at Qwen2.5's 151,936-token vocabulary, beside the
+    15.2 GB of a 7B policy in bf16 (the whole batch's logits and log-softmax would be 9.9 GB).
+    The batch's hidden states, 8,192 × 3,584 × 2 bytes at 7B, are 59 MB.
     """
     import torch
 
     device = next(model.parameters()).device
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
     means = np.zeros(len(prompts), dtype=np.float64)
     with torch.no_grad():
         start = 0
@@ -401,10 +405,16 @@ def question_mean_logprobs(model, prompts: list[list[int]], *, pad_id: int, batc
                 tokens[i, : len(ids)] = torch.tensor(ids)
                 mask[i, : len(ids)] = True
             tokens, mask = tokens.to(device), mask.to(device)
-            logits = model(input_ids=tokens, attention_mask=mask.long()).logits.float()  # (B, T, V)
-            logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+            hidden = decoder(input_ids=tokens, attention_mask=mask.long()).last_hidden_state  # (B, T, H)
             counted = mask[:, 1:]  # (B, T-1): every token with a prefix
-            sums = torch.where(counted, logprobs, 0.0).sum(dim=1).double()
+            row_of, position = counted.nonzero(as_tuple=True)  # (N,) each: the counted tokens' predictors
+            sums = torch.zeros(len(rows), dtype=torch.float64, device=device)
+            for first in range(0, row_of.numel(), head_tokens):
+                rows_here, at = row_of[first:first + head_tokens], position[first:first + head_tokens]
+                logits = head(hidden[rows_here, at]).float()  # (n, V): position t predicts token t + 1
+                targets = tokens[rows_here, at + 1]
+                logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+                sums.index_add_(0, rows_here, logprobs.double())
             means[start:end] = (sums / counted.sum(dim=1).clamp(min=1)).cpu().numpy()
             start = end
     return means
