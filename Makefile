@@ -26,28 +26,28 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(BIN)/winnow demo
 
-# Three passes (docs/testing.md): the single-process tests on two xdist workers, one file per
+# Two passes (docs/testing.md). First the single-process tests on two xdist workers, one file per
 # worker at a time (module fixtures are built once), files with slow tests first in the order
-# tests/conftest.py gives them (not xdist's biggest-file-first); then, alone, the tests that
-# already keep both cores busy or share one SLURM dev cluster (the distributed and serial
-# markers); then, alone, the rehearsal of the H100 campaign on the SLURM dev cluster (with its
-# SIGUSR1 and killed-server events). Every pass runs even when an earlier one fails, and any
-# failure fails the target. The other campaigns' rehearsals: `make test-rehearsals`.
+# tests/conftest.py gives them (not xdist's biggest-file-first). Then the tests that keep a core
+# busy for long or share the SLURM dev cluster (the distributed and serial markers) beside the
+# campaign rehearsals: three workers, each test handed out alone except the SLURM tests, which
+# stay together on one worker with the session's dev cluster, the SLURM rehearsal of the H100
+# campaign (with its SIGUSR1 and killed-server events) first. The other two workers take the
+# in-process rehearsals of qwen25-math-1.5b and llama31-8b, then the multi-rank tests: these
+# passes each keep about one core busy on average (process start-up, polling, SLURM), so side by
+# side they fill the machine. Both passes run even when the first fails; any failure fails the target.
 PARALLEL_TESTS := -m "not distributed and not serial and not campaign and not rehearsal" -n 2 --dist loadfile --no-loadscope-reorder
-SERIAL_TESTS := -m "(distributed or serial) and not campaign and not rehearsal"
-REHEARSAL_TESTS := -m "rehearsal and serial and not campaign"
+SIDE_BY_SIDE_TESTS := -m "(distributed or serial or rehearsal) and not campaign" -n 3 --dist loadgroup --no-loadscope-reorder
 
 test: install
 	status=0; \
 	$(BIN)/python -m pytest $(PARALLEL_TESTS) || status=$$?; \
-	$(BIN)/python -m pytest $(SERIAL_TESTS) || status=$$?; \
-	$(BIN)/python -m pytest $(REHEARSAL_TESTS) || status=$$?; \
+	$(BIN)/python -m pytest $(SIDE_BY_SIDE_TESTS) || status=$$?; \
 	exit $$status
 
-# Every campaign rehearsal (the SLURM one, and qwen25-math-1.5b and llama31-8b with the local
-# executor), one test file per worker: ~12 min on 2 cores.
+# Every campaign rehearsal alone (the SLURM one, and qwen25-math-1.5b and llama31-8b in process).
 test-rehearsals: install
-	$(BIN)/python -m pytest -m "rehearsal and not campaign" -n 2 --dist loadfile
+	$(BIN)/python -m pytest -m "rehearsal and not campaign" -n 3 --dist loadgroup --no-loadscope-reorder
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow and not campaign"

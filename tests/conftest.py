@@ -23,17 +23,29 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["MKL_NUM_THREADS"] = "1"
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """Under xdist, files with a ``slow`` test go first (each file keeping its own order).
+SLURM_TESTS = Path(__file__).resolve().parent / "slurm"
 
-    ``--dist loadfile`` hands out files in collection order; a 90-s end-to-end file handed out
-    last runs alone on one worker while the other idles, which is the whole tail of the run.
-    Every worker sorts the same way, as xdist requires of their collections.
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under xdist: the SLURM tests as one group, then files with a ``slow`` test, then the rest.
+
+    The tests under ``tests/slurm`` share the session's dev cluster (a session fixture, one per
+    worker, and one slurmd per machine): ``--dist loadgroup`` keeps them on one worker, and they go
+    first, the SLURM rehearsal first of all, since that worker's queue is the longest. Then
+    ``--dist loadfile``/``load`` hand out files in collection order; a 90-s end-to-end file
+    handed out last runs alone on one worker while the other idles, which is the whole tail of
+    the run. Every worker sorts the same way, as xdist requires of their collections.
     """
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
+    slurm = {item for item in items if SLURM_TESTS in item.path.parents}
+    for item in slurm:
+        item.add_marker(pytest.mark.xdist_group("slurm-cluster"))
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: False (slow) sorts first
+    # stable sort; False sorts first
+    items.sort(key=lambda item: (item not in slurm, item.get_closest_marker("rehearsal") is None,
+                                 item.path not in slow_files))
 
 
 def pytest_unconfigure(config) -> None:

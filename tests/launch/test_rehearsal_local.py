@@ -3,8 +3,8 @@
 Qwen2.5-Math-1.5B (TP=2 trainer, Qwen2 with tied embeddings) and Llama-3.1-8B-Instruct (TP=4,
 Llama 3 RoPE scaling, 128K vocabulary, TP=2 SGLang servers rehearsed as TP-1 stand-ins), each
 from its published config; the events are played by the SLURM rehearsal of the 7B campaign.
-They run in `make test-rehearsals` (about 3.5 minutes each on 2 cores), not in `make test`'s
-passes: with them the suite would take 29 minutes.
+About 3.5 minutes each on 2 cores, in `make test`'s second pass beside the SLURM tests, where
+they fill the core those leave idle (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pytest
 
 from pipeline.cli import main as winnow
 
-# rehearsal without serial: `make test-rehearsals` only (docs/testing.md).
 pytestmark = [pytest.mark.slow, pytest.mark.rehearsal, pytest.mark.timeout(1800)]
 
 
