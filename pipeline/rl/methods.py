@@ -47,7 +47,7 @@ from pipeline.algorithms.pods import pods_select
 from pipeline.algorithms.reinforce_ada import balanced_downsample
 from pipeline.algorithms.rollout_correction import rollout_correction
 from pipeline.config import AlgorithmConfig
-from pipeline.rl.registry import Method, MethodSetting, Metrics, Registry, StepEnd
+from pipeline.rl.registry import Method, MethodSetting, Metrics, Registry, StepEnd, float_metrics
 from pipeline.trainer.losses import PolicyLoss
 
 ADVANTAGES = Registry("advantage")
@@ -58,10 +58,6 @@ TEMPERATURES = Registry("temperature")
 ROLLOUT_CORRECTIONS = Registry("rollout correction")
 
 D3S_SCHEDULE = "d3s_schedule"
-
-
-def _floats(metrics: dict[str, Any]) -> Metrics:
-    return {name: float(value) for name, value in metrics.items()}
 
 
 # ---------------------------------------------------------------------------- the D³S schedule
@@ -284,7 +280,7 @@ class E3Temperature(Method):
 
     def update(self, end: StepEnd) -> Metrics:
         self.value, metrics = self.scheduler.update(entropy=end.mean_entropy, step=end.step)
-        return _floats(metrics)
+        return float_metrics(metrics)
 
     def state_dict(self) -> dict[str, Any]:
         return {"value": self.value, "scheduler": self.scheduler.state_dict()}

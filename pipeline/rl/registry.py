@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 Metrics = dict[str, float]
 
 
+def float_metrics(metrics: dict[str, Any]) -> Metrics:
+    """A method's metrics as plain floats (tensors and numpy scalars are not JSON-logged as-is)."""
+    return {name: float(value) for name, value in metrics.items()}
+
+
 @dataclass(slots=True)
 class MethodSetting:
     """What a method may know about the run beyond its own config section."""

@@ -39,7 +39,7 @@ from pipeline.algorithms.depo import depo_filter, observed_zero_variance, zero_v
 from pipeline.algorithms.e3 import difficulty_ranks, e3_budget_bounds, e3_rollout_budgets
 from pipeline.algorithms.reinforce_ada import ada_est_budgets, balanced_downsample, exit_condition
 from pipeline.config import AlgorithmConfig
-from pipeline.rl.registry import Method, MethodSetting, Metrics, Registry, StepEnd
+from pipeline.rl.registry import Method, MethodSetting, Metrics, Registry, StepEnd, float_metrics
 from pipeline.rl.rollouts import RolloutBatch
 from pipeline.stats.store import PromptStatsStore
 
@@ -51,10 +51,6 @@ Draw = Callable[[int], torch.Tensor]
 PROMPT_FILTERS: Registry = Registry("prompt filter")
 BUDGETS: Registry = Registry("rollout budget")
 SAMPLERS: Registry = Registry("sampler")
-
-
-def _floats(metrics: dict[str, Any]) -> Metrics:
-    return {name: float(value) for name, value in metrics.items()}
 
 
 def curation_prior(stats: PromptStatsStore, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +157,7 @@ class DepoFilter(Method):
         self.stats.set_column("estimator_prediction", prompt_ids=unique,
                               values=torch.zeros(unique.numel(), dtype=torch.float64).scatter_(0, inverse, predicted))
         kept = keep_mask.nonzero().squeeze(1)[:batch_size]  # (P,)
-        metrics = {**_floats(metrics), "depo/filter_ratio": float((~keep_mask).double().mean())}
+        metrics = {**float_metrics(metrics), "depo/filter_ratio": float((~keep_mask).double().mean())}
         return SelectedPrompts(candidates[kept], predicted[kept], candidates[~keep_mask]), metrics
 
     def update(self, end: StepEnd) -> Metrics:
@@ -238,7 +234,7 @@ class E3Budget(Method):
         seen = (rows["num_samples"] + prior_samples) > 0
         if bool(seen.any()):
             self.stats.set_column("e3_rank", prompt_ids=everything[seen], values=ranks[seen])
-        return _floats(metrics)
+        return float_metrics(metrics)
 
     def bounds(self) -> tuple[int, int]:
         return e3_budget_bounds(num_completed_passes=self.num_completed_passes, group_size=self.group_size,
@@ -249,7 +245,7 @@ class E3Budget(Method):
         low, high = self.bounds()
         budgets, metrics = e3_rollout_budgets(difficulty=difficulty, group_size=self.group_size, min_budget=low,
                                               max_budget=high, rank_denominator=2 * max(self.num_ranked, 1))
-        return budgets, {**_floats(metrics), "e3/g_min": float(low), "e3/g_max": float(high)}
+        return budgets, {**float_metrics(metrics), "e3/g_min": float(low), "e3/g_max": float(high)}
 
     def update(self, end: StepEnd) -> Metrics:
         """A completed pass over the data widens the bounds and re-ranks every prompt (E3 §4.1)."""
@@ -292,7 +288,7 @@ class AdaEstBudget(Method):
         budgets, metrics = ada_est_budgets(pass_rate=estimate, total=indices.numel() * self.group_size,
                                            min_budget=self.cfg.min_budget, max_budget=self.cfg.max_budget,
                                            rule=self.cfg.rule)
-        return budgets, {**_floats(metrics), "ada_est/pass_rate_mean": float(estimate.mean())}
+        return budgets, {**float_metrics(metrics), "ada_est/pass_rate_mean": float(estimate.mean())}
 
 
 # ---------------------------------------------------------------------------- samplers
@@ -358,7 +354,7 @@ class AdaSeq(Method):
             num_keep=self.group_size, generator=torch.Generator().manual_seed(seed), num_groups=pool.num_prompts)
         unresolved = ~exit_condition(num_correct=num_correct, num_incorrect=num_drawn - num_correct,
                                      rule=cfg.exit_rule, k_pos=cfg.k_pos, k_neg=cfg.k_neg)[0]
-        metrics = {**_floats(metrics), "ada/rounds": float(num_rounds), "ada/pool_size_mean": float(num_drawn.double().mean()),
+        metrics = {**float_metrics(metrics), "ada/rounds": float(num_rounds), "ada/pool_size_mean": float(num_drawn.double().mean()),
                    "ada/unresolved_fraction": float(unresolved.double().mean())}
         return Sampled(pool=pool, train=pool.select_samples(keep_mask), baseline=pool, metrics=metrics)
 

@@ -164,7 +164,10 @@ class Run:
     actor: Actor
     reference: Actor | None  # frozen initial policy for the KL term, when algorithm.kl_coef > 0
     engine: Any  # None on every rank but global rank 0
-    pool: Any
+    # The grading pool: only where grading happens, global rank 0 (it grades every rollout and the
+    # held-out evaluation; the other ranks receive the graded samples). reward.num_workers
+    # processes: 32 per rank would be 512 idle processes on 2 × 8 GPUs.
+    pool: Any  # None on every other rank
     tokenizer: Any
     pad_token_id: int  # the tokenizer's pad, else its EOS (Llama 3 has no pad token)
     stop_token_ids: tuple[int, ...]  # the model's generation_config EOS ids + the tokenizer's EOS
@@ -338,7 +341,7 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, batch_source: Ca
         cfg=cfg, context=context, actor=actor, reference=reference,
         # Only global rank 0 drives the engine; the other ranks receive its graded samples.
         engine=build_engine(cfg.rollout, spec=spec, tokenizer=tokenizer, tokenizer_dir=policy.tokenizer_dir) if context.rank == 0 else None,
-        pool=GradingPool(**cfg.reward.pool_kwargs()), tokenizer=tokenizer, pad_token_id=pad_token_id(tokenizer),
+        pool=GradingPool(**cfg.reward.pool_kwargs()) if context.rank == 0 else None, tokenizer=tokenizer, pad_token_id=pad_token_id(tokenizer),
         stop_token_ids=stop_token_ids(tokenizer, folders=[policy.tokenizer_dir]), prompts=prompts,
         prompt_token_ids=encoded_prompts, eval_prompts=eval_prompts, methods=methods, sampling=sampling,
         stream=PromptStream(len(prompts), seed=cfg.seed), stats=stats,

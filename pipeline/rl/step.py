@@ -196,7 +196,8 @@ def step_metrics(*, pool: RolloutBatch, update, temperature: float, mean_entropy
 def finish(run: Run) -> None:
     from pipeline.rl.plots import plot_run
 
-    run.pool.close()
+    if run.pool is not None:
+        run.pool.close()
     if run.writer is not None:
         # The statistics and plots are written first: closing the writer uploads them to the trackers.
         run.stats.to_parquet(run.output_dir / "stats.parquet")

@@ -192,7 +192,8 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                     update = actor.train_step(batch.select(kept_rows), methods.loss, temperature=temperature)
                     run.consecutive_skipped = run.consecutive_skipped + 1 if update.skipped else 0
                     if run.consecutive_skipped > cfg.trainer.max_skipped_steps:
-                        run.pool.close()
+                        if run.pool is not None:
+                            run.pool.close()
                         raise NonFiniteTrainingError(
                             f"{run.consecutive_skipped} consecutive non-finite steps up to step {step + 1} "
                             f"(trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}); stopping before the "

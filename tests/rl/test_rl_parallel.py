@@ -27,15 +27,23 @@ def _layout_worker(rank, world_size, tmp, cache, tensor_parallel, pipeline_paral
     from pipeline.stages.rl import initial_policy
     from pipeline.stages.rl import run_rl
 
+    from pipeline.rewards import GradingPool
+
     cfg = _config(tmp, [*METHODS, f"bootstrap.cache_dir={cache}", *extra])
     context = ParallelContext.initialize(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                                          seed=cfg.seed)
-    run_rl(cfg, context=context)
+    pools = []  # the grading pools this rank starts: only global rank 0 grades
+    start_pool = GradingPool.__init__
+    GradingPool.__init__ = lambda self, *args, **kwargs: (pools.append(self), start_pool(self, *args, **kwargs))[1]
+    try:
+        run_rl(cfg, context=context)
+    finally:
+        GradingPool.__init__ = start_pool
     if rank:
-        return None
+        return {"pools": len(pools)}
     policy = initial_policy(cfg, context=context)
     return {"rows": read_metrics(f"{tmp}/run/metrics.jsonl"), "vocab": len(load_tokenizer(policy.tokenizer_dir)),
-            "policy": str(policy.weights)}
+            "policy": str(policy.weights), "pools": len(pools)}
 
 
 @pytest.mark.slow
@@ -56,6 +64,7 @@ def test_tensor_and_pipeline_parallel_rl_matches_one_rank(tmp_path, bootstrap_ca
         ranks = run_distributed(_layout_worker, world_size=2, args=(str(tmp_path / name), cache, tensor_parallel,
                                                                       pipeline_parallel, extra))
         rows = ranks[0]["rows"]
+        assert [rank["pools"] for rank in ranks] == [1, 0], name  # no idle grading pool beside rank 1
         assert [row["step"] for row in rows] == [row["step"] for row in rows_single] == [0, 1, 2, 3]
         # Step 1: identical rollouts, so identical selection and the same loss up to fp32 summation order.
         assert rows[1]["reward_mean"] == rows_single[1]["reward_mean"]
