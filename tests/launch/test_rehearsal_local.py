@@ -3,8 +3,8 @@
 Qwen2.5-Math-1.5B (TP=2 trainer, Qwen2 with tied embeddings) and Llama-3.1-8B-Instruct (TP=4,
 Llama 3 RoPE scaling, 128K vocabulary, TP=2 SGLang servers rehearsed as TP-1 stand-ins), each
 from its published config; the events are played by the SLURM rehearsal of the 7B campaign.
-About 3.5 minutes each on 2 cores, in `make test`'s second pass beside the SLURM tests, where
-they fill the core those leave idle (docs/testing.md).
+About 3.5 minutes and 200 CPU-seconds each on 2 cores: `make test-rehearsals`, not `make test`
+(beside its second pass the suite took 27 minutes; docs/testing.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
-"""On the real dev cluster: a user error ends the job without a requeue; a stop and a kill are requeued.
+"""On the real dev cluster: a user error ends the job without a requeue; a killed task is requeued.
 
 Both jobs are rl stages launched the way ``winnow launch`` does (NeMo-Run's sbatch script with
 winnow's requeue trap, ``requeues=2``). The first points at a checkpoint that does not exist
 and runs two ranks under torchrun, so the rank's exit 2 must survive torchrun's rewrap to 1.
-The second is stopped twice, each way a job is requeued, in one job so that the cluster's
-requeue delay and the job's start-up are paid once per attempt rather than per test:
-SIGUSR1 mid-run (what ``--signal=USR1@N`` sends before the time limit) makes the first attempt
-checkpoint the step it stopped after and exit 75; the second attempt resumes from it and is
-SIGKILLed after its next periodic checkpoint, so srun reports 137 with no checkpoint of its
-own; the trap requeues both, and the third attempt resumes from the latest checkpoint to the
-last step.
+The second is SIGKILLed after its first periodic checkpoint, so srun reports 137 with no
+checkpoint of its own; the trap requeues it, and the second attempt resumes from the latest
+checkpoint to the last step. The other way a job is requeued, SIGUSR1 before the time limit
+(checkpoint, exit 75), is played by the SLURM rehearsal of the H100 campaign
+(``test_rehearsal_slurm.py``) on an rl stage with its rollout servers.
 """
 
 from __future__ import annotations
@@ -97,10 +95,12 @@ def _latest_step(checkpoints: Path) -> int | None:
         return None  # none yet, or read while being replaced
 
 
-@pytest.mark.timeout(START_BUDGET_S + 900)
-def test_usr1_then_a_killed_task_are_each_requeued_and_the_job_resumes(launch_profile, slurm_cluster: DevCluster,
-                                                                       bootstrap_cache_dir, tmp_path):
-    # Enough steps that each stop lands mid-run: a tiny step takes tens of milliseconds on an
+@pytest.mark.timeout(START_BUDGET_S + 600)
+def test_a_killed_task_is_requeued_and_the_job_resumes_from_its_checkpoint(launch_profile, slurm_cluster: DevCluster,
+                                                                           bootstrap_cache_dir, tmp_path):
+    # SIGUSR1's path (checkpoint, exit 75, requeue, resume with equal rows) is played by the SLURM
+    # rehearsal of the H100 campaign (test_rehearsal_slurm.py), on an rl stage with its servers.
+    # Enough steps that the kill lands mid-run: a tiny step takes tens of milliseconds on an
     # idle machine, and several could finish between a poll and the signal.
     num_steps, every = 30, 2
     cfg = _tiny_rl_config(tmp_path, steps=num_steps, cache=bootstrap_cache_dir)
@@ -108,39 +108,27 @@ def test_usr1_then_a_killed_task_are_each_requeued_and_the_job_resumes(launch_pr
     job_id = _submit(Stage(name="rl", kind="rl", config=cfg, resources=Resources(requeues=2)), tmp_path=tmp_path,
                      profile=launch_profile)
     checkpoints, metrics = Path(cfg.checkpoint.directory), tmp_path / "rl" / "metrics.jsonl"
-    deadline = time.monotonic() + 400
-    while not (metrics.exists() and any('"loss"' in line for line in metrics.read_text().splitlines())):
-        assert time.monotonic() < deadline, f"no RL step after 400 s\n{_logs(tmp_path)}"
-        time.sleep(0.05)
 
-    # Attempt 1: SIGUSR1 to every process of the job's steps; the stage checkpoints and exits 75.
-    slurm_cluster.slurm("scancel", "--signal=USR1", str(job_id))
-    record = slurm_cluster.wait_for_job(job_id, lambda r: r.get("Restarts") == "1" or r["JobState"] in FINAL_STATES,
-                                        timeout_s=300, what="requeued or finished")
-    assert record.get("Restarts") == "1", (record, _logs(tmp_path))
-    stopped_step = _latest_step(checkpoints)
-    assert stopped_step is not None and stopped_step < num_steps, (stopped_step, _logs(tmp_path))
-
-    # Attempt 2: resumed from the stop's checkpoint; killed after its next periodic one.
+    # Attempt 1: killed after its first periodic checkpoint.
     deadline = time.monotonic() + 400
-    while (_latest_step(checkpoints) or 0) <= stopped_step:
-        assert time.monotonic() < deadline, f"no checkpoint after step {stopped_step} in 400 s\n{_logs(tmp_path)}"
+    while not _latest_step(checkpoints):
+        assert time.monotonic() < deadline, f"no checkpoint in 400 s\n{_logs(tmp_path)}"
         time.sleep(0.05)
     pids = _node_pids(tmp_path)
     assert len(pids) == 1, (pids, _logs(tmp_path))
     os.kill(pids[0], signal.SIGKILL)  # what an OOM killer or a dying rank does: no checkpoint, no exit code
     resume_step = _latest_step(checkpoints)
-    # The rows up to the checkpoint, as attempts 1 and 2 wrote them (time/* wall times included).
+    # The rows up to the checkpoint, as attempt 1 wrote them (time/* wall times included).
     first_rows = _rows_up_to(metrics, resume_step)
 
-    # Attempt 3: resumed from the periodic checkpoint to the last step.
+    # Attempt 2: resumed from the periodic checkpoint to the last step.
     record = slurm_cluster.wait_for_job(job_id, lambda r: r["JobState"] == "COMPLETED", timeout_s=400,
                                         what="completed")
-    assert record["Restarts"] == "2", (record, _logs(tmp_path))
+    assert record["Restarts"] == "1", (record, _logs(tmp_path))
     status = CampaignStatus(tmp_path).read()["rl"]
-    assert (status["state"], status["attempts"], status["restarts"]) == ("done", 3, 2), (status, _logs(tmp_path))
-    assert stopped_step < resume_step < num_steps and resume_step % every == 0, (stopped_step, resume_step)
-    # Resumed, not restarted: the rows up to the checkpoint are the earlier attempts' bytes (a rerun
+    assert (status["state"], status["attempts"], status["restarts"]) == ("done", 2, 1), (status, _logs(tmp_path))
+    assert 0 < resume_step < num_steps and resume_step % every == 0, resume_step
+    # Resumed, not restarted: the rows up to the checkpoint are the first attempt's bytes (a rerun
     # from step 1 would rewrite them with new wall times); the rest were logged once, to the last step.
     assert len(first_rows) >= resume_step + 1  # the step-0 evaluation and a row per step
     assert _rows_up_to(metrics, resume_step) == first_rows
