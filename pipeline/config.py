@@ -432,6 +432,15 @@ class RolloutConfig:
         30.0, gt=0.0, help="sglang: a health probe unanswered this long counts as a hang (above SGLang's own 20 s "
         "/health_generate limit)"
     )
+    max_running_requests_per_server: int = option(
+        256, ge=1, help="sglang: sequences one server runs at once: its --max-running-requests (the serve role "
+        "passes it) and the client's per-server limit; a 7B server's KV cache on an H100 holds 256 sequences of "
+        "~3,600 tokens; the client keeps servers × this in flight (docs/rollout.md, Requests in flight)"
+    )
+    max_in_flight_sequences: int | None = option(
+        None, ge=1, help="sglang: the most sequences in flight over all servers (null: servers × "
+        "max_running_requests_per_server)"
+    )
 
     max_staleness: int = option(
         0, ge=0, le=1, help="0: the synchronous loop; 1: the next step's batch is generated (by the SGLang servers, "
@@ -448,6 +457,53 @@ class RolloutConfig:
                      "engine=sglang with sync=disk needs a shared folder for weight syncs")
         for url in self.servers:
             _require(url.startswith(("http://", "https://")), "servers", f"{url!r} is not an http(s) URL")
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightLimit:
+    """How many sequences the SGLang client keeps in flight (``rollout_in_flight_limit``)."""
+
+    num_servers: int
+    per_server: int  # sequences one server runs at once (its --max-running-requests)
+    sequences: int  # over all servers
+    derived: bool  # True: num_servers × per_server; False: rollout.max_in_flight_sequences set it
+
+    def describe(self) -> str:
+        """One line: ``16 servers × 256 = 4,096 sequences (rollout.max_running_requests_per_server)``."""
+        servers = f"{self.num_servers} server{'s' if self.num_servers != 1 else ''} × {self.per_server:,}"
+        if self.derived:
+            return f"{servers} = {self.sequences:,} sequences (rollout.max_running_requests_per_server)"
+        return (f"{self.sequences:,} sequences (rollout.max_in_flight_sequences; {servers} = "
+                f"{self.num_servers * self.per_server:,} derived)")
+
+
+def rollout_in_flight_limit(rollout: RolloutConfig, *, num_servers: int) -> InFlightLimit:
+    """The sequences the SGLang client keeps in flight on ``num_servers`` servers: the client and the planner.
+
+    Each server runs at most ``rollout.max_running_requests_per_server`` sequences at once (the
+    serve role passes it as SGLang's ``--max-running-requests``), so the client sends it no more;
+    over all servers, ``num_servers`` times that, or ``rollout.max_in_flight_sequences`` when set
+    (capped at the servers' total: a server cannot take more). The client counts calls of up to
+    ``max_samples_per_request`` sequences and converts (``SGLangClientConfig.from_rollout``).
+
+    Cost: on the client an in-flight sequence is its request body (the prompt's ids as JSON, about
+    6 bytes a token) and, once answered, its response (about 40 bytes of JSON a generated token:
+    id, log-prob, text) until it is parsed into token ids and log-probs. At 7B on 16 servers
+    (2 nodes × 8 H100s) with the default 256: 4,096 sequences of a 1,024-token prompt and 3,072 new
+    tokens hold about 25 MB of requests and at most about 500 MB of answers at once. The servers
+    pay the real cost: each running sequence holds its KV cache (Qwen2.5-Math-7B: 56 KiB a token),
+    and 256 sequences of 4,096 tokens are 1.05M tokens, a little over the ~920K an H100 holds beside
+    the bf16 weights at ``--mem-fraction-static 0.85`` (``winnow plan``); few responses reach the cap
+    together, and SGLang queues what does not fit.
+    """
+    if num_servers < 1:
+        raise ValueError(f"the in-flight limit needs at least one server, got {num_servers}")
+    per_server = rollout.max_running_requests_per_server
+    capacity = num_servers * per_server
+    if rollout.max_in_flight_sequences is None:
+        return InFlightLimit(num_servers=num_servers, per_server=per_server, sequences=capacity, derived=True)
+    return InFlightLimit(num_servers=num_servers, per_server=per_server,
+                         sequences=min(rollout.max_in_flight_sequences, capacity), derived=False)
 
 
 @dataclass(kw_only=True, slots=True)

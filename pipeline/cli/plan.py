@@ -4,7 +4,7 @@ Inputs: a model (``config.json``, Hugging Face folder or winnow checkpoint), the
 (a campaign recipe's rl stages, a paper preset, or ``--config`` YAML with overrides) and a
 cluster (a SLURM profile's GPUs per node, the GPU kind, trainer and rollout nodes). Prints
 the per-GPU memory table of every pipeline stage, the SGLang KV cache against a step's
-sequences, the context check, the pipeline bubble, step time and GPU-hours at the printed
+sequences, the requests the rollout client keeps in flight, the context check, the pipeline bubble, step time and GPU-hours at the printed
 assumptions, and the verdict with the smallest TP×PP layout that fits; with ``--recipe``, also
 the context check of the campaign's curate and evaluate stages on the same model. Exit status
 1 when the job does not fit. The planner itself is ``pipeline.launch.plan``.
@@ -109,6 +109,7 @@ def stage_inputs(cfg: Any, dims: planner.ModelDims, *, resources: Any, args: arg
     )
     return planner.PlanInputs(
         dims=dims, layout=planner.layout_from_rl(cfg, trainer_gpus=cluster.trainer_gpus),
+        in_flight=planner.in_flight_from_rl(cfg, cluster),
         trainer=planner.trainer_settings_from_rl(cfg, **_trainer_options(args, cfg)),
         workload=planner.workload_from_rl(cfg, prompt_tokens=planner.prompt_allowance(dims, args.prompt_tokens),
                                           num_runs=num_runs),
@@ -156,6 +157,8 @@ def format_plan(result: planner.Plan, *, title: str) -> str:
                      f"{kv.capacity_tokens:,} tokens vs {kv.in_flight_tokens:,} in flight per server "
                      f"({'fits at once' if kv.waves == 1 else f'{kv.waves} waves'}; --mem-fraction-static "
                      f"{inputs.assumptions.mem_fraction_static})")
+    if inputs.in_flight is not None:
+        lines.append(f"requests in flight: {inputs.in_flight.describe()}")
     context = "fits" if inputs.seq_length <= dims.max_position_embeddings else "DOES NOT FIT"
     lines.append(f"context: {workload.prompt_tokens} prompt + {workload.max_new_tokens} new = {inputs.seq_length} "
                  f"of {dims.max_position_embeddings} positions: {context}")

@@ -123,6 +123,10 @@ class RolloutServers:
         if self.colocated and self.nodes != 1:
             raise ConfigError(f"rollout.nodes: co-located servers run on the trainer's first node; got "
                               f"nodes={self.nodes}")
+        # The client's in-flight limit is derived from the same number: one option sets both.
+        if any(arg.split("=", 1)[0] == "--max-running-requests" for arg in self.extra_args):
+            raise ConfigError("rollout.extra_args: --max-running-requests is set by the stage's "
+                              "config.rollout.max_running_requests_per_server (the client's limit follows it)")
 
 
 # `RolloutServers.server` → the module its servers run as (`python -m MODULE` with SGLang's flags).

@@ -54,6 +54,10 @@ What it models, and from where:
 * **KV cache** (``kv_cache_plan``): ``2·L·g·d·bytes`` per token (K and V of every layer),
   split over a server's TP ranks (replicated when ``g < tp``); capacity is SGLang's
   ``--mem-fraction-static`` share of the GPU minus the weights.
+* **Requests in flight** (``in_flight_from_rl``): the sequences the SGLang client keeps in
+  flight, servers × ``rollout.max_running_requests_per_server`` (each server's
+  ``--max-running-requests``) unless ``rollout.max_in_flight_sequences`` sets it; the rule is the
+  client's own (``pipeline.config.rollout_in_flight_limit``).
 * **Context** (``context_problem``, ``stage_contexts``): every stage that generates (rl,
   curate, evaluate) needs its ``max_new_tokens`` plus a prompt within the model's
   ``max_position_embeddings``; curation and evaluation drop each prompt that does not fit
@@ -70,6 +74,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from pipeline.config import InFlightLimit, rollout_in_flight_limit
 from pipeline.models.spec import ModelSpec
 
 __all__ = [
@@ -93,6 +98,7 @@ __all__ = [
     "checkpoint_write_plan",
     "context_problem",
     "head_buffer_bytes",
+    "in_flight_from_rl",
     "korthikanti_gpt_layer_bytes",
     "kv_cache_plan",
     "layer_activation_bytes",
@@ -305,6 +311,7 @@ class PlanInputs:
     workload: Workload
     cluster: Cluster
     assumptions: Assumptions = field(default_factory=Assumptions)
+    in_flight: InFlightLimit | None = None  # the SGLang client's limit (``in_flight_from_rl``); None: no servers
 
     @property
     def seq_length(self) -> int:
@@ -816,6 +823,13 @@ def workload_from_rl(cfg: Any, *, prompt_tokens: int, num_runs: int = 1) -> Work
                     in_flight_per_prompt=in_flight, prompt_tokens=prompt_tokens, max_new_tokens=cfg.max_new_tokens,
                     steps=cfg.steps, num_runs=num_runs, max_staleness=cfg.rollout.max_staleness,
                     sync=cfg.rollout.sync)
+
+
+def in_flight_from_rl(cfg: Any, cluster: Cluster) -> InFlightLimit | None:
+    """The sequences an ``RLConfig``'s SGLang client keeps in flight on ``cluster``'s servers (None: none),
+    by the rule the client itself follows (``pipeline.config.rollout_in_flight_limit``)."""
+    num_servers = cluster.rollout_nodes * cluster.servers_per_node
+    return rollout_in_flight_limit(cfg.rollout, num_servers=num_servers) if num_servers else None
 
 
 def trainer_settings_from_rl(cfg: Any, *, distributed_optimizer: bool, recompute: Recompute,

@@ -113,7 +113,9 @@ def sglang_server_commands(stage: Stage, *, host: str, python: str = sys.executa
     Servers bind ``host``, the node's own name — the address in the URLs the trainer
     uses — not every interface: SGLang's admin endpoints (weight loading, memory release)
     have no authentication. Co-located servers take the GPUs after the trainer's ranks.
-    ``rollout.server`` picks the program (SGLang, or the CPU stand-in of a rehearsal).
+    ``rollout.server`` picks the program (SGLang, or the CPU stand-in of a rehearsal). Each runs
+    at most the stage's ``config.rollout.max_running_requests_per_server`` sequences at once, the
+    number the trainer's client derives its in-flight limit from.
     """
     from pipeline.launch.campaign import SERVER_MODULES
 
@@ -128,7 +130,8 @@ def sglang_server_commands(stage: Stage, *, host: str, python: str = sys.executa
         [python, "-m", SERVER_MODULES[rollout.server], "--model-path", model_path,
          "--tokenizer-path", tokenizer, "--host", host, "--port", str(rollout.port + index),
          "--tp-size", str(rollout.tensor_parallel),
-         "--base-gpu-id", str(first_gpu + index * rollout.tensor_parallel), *rollout.extra_args]
+         "--base-gpu-id", str(first_gpu + index * rollout.tensor_parallel),
+         "--max-running-requests", str(cfg.rollout.max_running_requests_per_server), *rollout.extra_args]
         for index in range(rollout.servers_per_node)
     ]
 

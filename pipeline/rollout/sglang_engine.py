@@ -11,9 +11,10 @@ One ``generate`` call:
   prompt are cut into work items of at most ``max_samples_per_request``, each sent as
   one batch ``/generate`` call (``sglang_api.generate_body``).
 * At most ``max_in_flight`` calls run at once (``max_in_flight_per_server`` per
-  server). A work item goes to the live, not-backing-off server with the fewest calls
-  in flight, ties broken round-robin, avoiding the server it last failed on when
-  another one is free.
+  server); ``from_rollout`` derives both from the servers' ``--max-running-requests``
+  (``pipeline.config.rollout_in_flight_limit``). A work item goes to the live,
+  not-backing-off server with the fewest calls in flight, ties broken round-robin,
+  avoiding the server it last failed on when another one is free.
 * An attempt fails on a connection error, no answer within ``request_timeout_s``
   (the whole call, so a server that trickles bytes cannot stall it), HTTP 5xx / 429 /
   408, or a 200 whose body breaks the response contract. The server then backs off
@@ -111,15 +112,17 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _LOG_TAIL_BYTES = 4000
+# Samples of one prompt sent as one /generate call: they share one prefill on the server.
+_DEFAULT_SAMPLES_PER_REQUEST = 8
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SGLangClientConfig:
     """Client-side limits and timeouts (see the module docstring for how each is used)."""
 
-    max_in_flight: int = 256
+    max_in_flight: int = 256  # calls; from_rollout derives both limits from the servers
     max_in_flight_per_server: int = 128
-    max_samples_per_request: int = 8
+    max_samples_per_request: int = _DEFAULT_SAMPLES_PER_REQUEST
     request_timeout_s: float = 3600.0
     connect_timeout_s: float = 10.0
     max_attempts: int = 4
@@ -142,12 +145,26 @@ class SGLangClientConfig:
 
     @classmethod
     def from_rollout(cls, rollout: RolloutConfig, **overrides: Any) -> SGLangClientConfig:
-        """The client limits ``rollout`` (a run's ``rollout`` block) sets; ``overrides`` for the rest."""
+        """The client limits ``rollout`` (a run's ``rollout`` block, its servers filled in) sets; ``overrides``
+        for the rest.
+
+        The in-flight limits follow ``rollout_in_flight_limit`` over ``rollout.servers``, in calls: a call
+        carries at most ``max_samples_per_request`` sequences (fewer when a server runs fewer at once),
+        so ``max_in_flight`` calls never hold more than the limit's sequences, nor a server more than
+        its ``--max-running-requests``.
+        """
+        from pipeline.config import rollout_in_flight_limit
+
+        limit = rollout_in_flight_limit(rollout, num_servers=len(rollout.servers))
+        samples = overrides.pop("max_samples_per_request", _DEFAULT_SAMPLES_PER_REQUEST)
+        samples = min(samples, limit.per_server, limit.sequences)
         return cls(
             request_timeout_s=rollout.request_timeout_s, batch_timeout_s=rollout.batch_timeout_s,
             max_attempts=rollout.max_attempts, probe_timeout_s=rollout.health_timeout_s,
             max_server_failures=rollout.max_server_failures, recovery_timeout_s=rollout.server_recovery_timeout_s,
-            min_servers=rollout.min_servers, **overrides,
+            min_servers=rollout.min_servers, max_samples_per_request=samples,
+            max_in_flight=limit.sequences // samples, max_in_flight_per_server=limit.per_server // samples,
+            **overrides,
         )
 
     def __post_init__(self) -> None:

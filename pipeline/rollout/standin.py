@@ -282,11 +282,15 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve_standin(*, model_path: str, host: str, port: int, weight_version: str = DEFAULT_WEIGHT_VERSION,
-                  request_log: str | None = None, out=print) -> None:
-    """Load ``model_path`` and answer SGLang's protocol on ``host:port`` until the process is killed."""
+                  request_log: str | None = None, listen_backlog: int = LISTEN_BACKLOG, out=print) -> None:
+    """Load ``model_path`` and answer SGLang's protocol on ``host:port`` until the process is killed.
+
+    ``listen_backlog``: connections the kernel holds for the server; at least the calls the client
+    keeps in flight to it (``--max-running-requests``), or some would be reset.
+    """
     torch.set_num_threads(1)  # one core per server: a rehearsal runs several beside the trainer ranks
     served = StandinModel(model_path, port=port, weight_version=weight_version, request_log=request_log)
-    ThreadingHTTPServer.request_queue_size = LISTEN_BACKLOG
+    ThreadingHTTPServer.request_queue_size = listen_backlog
     server = ThreadingHTTPServer((host, port), _Handler)
     server.daemon_threads = True
     server.served = served  # type: ignore[attr-defined]

@@ -25,6 +25,19 @@ def test_plan_prints_the_table_and_a_verdict(capsys):
         assert text in out
 
 
+def test_plan_prints_the_rollout_clients_requests_in_flight(capsys):
+    args = ["plan", "--model", str(FIXTURES / "Qwen2.5-Math-7B.json"), "--preset", "d3s_qwen25_math_7b",
+            "--nodes", "2", "--rollout-nodes", "2", "--servers-per-node", "8"]
+    assert main(args) == 0
+    assert ("requests in flight: 16 servers × 256 = 4,096 sequences (rollout.max_running_requests_per_server)"
+            in capsys.readouterr().out.splitlines())
+    assert main([*args, "rollout.max_running_requests_per_server=128", "rollout.max_in_flight_sequences=1000"]) == 0
+    assert ("requests in flight: 1,000 sequences (rollout.max_in_flight_sequences; 16 servers × 128 = 2,048 derived)"
+            in capsys.readouterr().out.splitlines())
+    assert main(args[:-4]) == 0  # no rollout servers: the local engine, no such line
+    assert "requests in flight" not in capsys.readouterr().out
+
+
 def test_plan_refuses_and_exits_1(capsys):
     code = main(["plan", "--model", str(FIXTURES / "Qwen2.5-Math-7B.json"), "--preset", "d3s_qwen25_math_7b",
                  "--nodes", "2", "parallel.tensor_parallel=1"])
