@@ -119,19 +119,24 @@ def _sub_floor(module: str) -> int | None:
     return SUB_FLOORS.get(parts[1])
 
 
-def _sub_floor_violations(graph: dict[str, dict]) -> list[str]:
-    """Imports between library packages that go up the sub-floors."""
+def _upward_imports(graph: dict[str, dict], floor_of, what: str = "floor") -> list[str]:
+    """Imports that go up the levels ``floor_of`` gives modules (None: not placed, not checked)."""
     violations = []
     for name, node in graph.items():
-        own = _sub_floor(name)
+        own = floor_of(name)
         if own is None:
             continue
         for target, line in node["imports"]:
-            target_floor = _sub_floor(target)
+            target_floor = floor_of(target)
             if target_floor is not None and target_floor > own:
                 violations.append(f"{node['path'].relative_to(REPO)}:{line} imports {target} "
-                                  f"(sub-floor {target_floor} > {own})")
+                                  f"({what} {target_floor} > {own})")
     return violations
+
+
+def _sub_floor_violations(graph: dict[str, dict]) -> list[str]:
+    """Imports between library packages that go up the sub-floors."""
+    return _upward_imports(graph, _sub_floor, "sub-floor")
 
 
 def _import_cycles(graph: dict[str, dict]) -> list[list[str]]:
@@ -195,17 +200,12 @@ def test_every_pipeline_package_has_a_floor(graph):
 
 
 def test_imports_only_go_down_the_floors(graph):
-    violations = []
+    violations = _upward_imports(graph, _floor)
     for name, node in graph.items():
-        own = _floor(name)
-        if own is None:
+        if _floor(name) is None or name.startswith("pipeline.cli"):
             continue
-        for target, line in node["imports"]:
-            target_floor = _floor(target)
-            if target_floor is not None and target_floor > own:
-                violations.append(f"{node['path'].relative_to(REPO)}:{line} imports {target} (floor {target_floor} > {own})")
-            if target.split(".")[0] == "recipes" and not name.startswith("pipeline.cli"):
-                violations.append(f"{node['path'].relative_to(REPO)}:{line} imports {target}: recipes are for the CLI")
+        violations += [f"{node['path'].relative_to(REPO)}:{line} imports {target}: recipes are for the CLI"
+                       for target, line in node["imports"] if target.split(".")[0] == "recipes"]
     assert not violations, "\n".join(violations)
 
 
