@@ -26,6 +26,7 @@ Every call is collective, made at the same points of the loop on every rank:
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ def build_batch_source(run: Run) -> BatchSource:
     return BATCH_SOURCES.build(staleness_mode(run.cfg.rollout.max_staleness), run.cfg, run)
 
 
-class BatchSource:
+class BatchSource(abc.ABC):
     """Base of every ``BATCH_SOURCES`` entry; the calls the loop makes (module docstring)."""
 
     def __init__(self, cfg: RLConfig, run: Run) -> None:
@@ -62,8 +63,9 @@ class BatchSource:
     def start(self) -> None:
         return None
 
+    @abc.abstractmethod
     def prepare(self, step: int, timer: PhaseTimer) -> PreparedStep:
-        raise NotImplementedError
+        """The step's plan and its graded batch (generated now, or taken from the one generated ahead)."""
 
     def updated(self, *, version: int, timer: PhaseTimer) -> None:  # noqa: ARG002 - a source may wait
         return None
