@@ -12,13 +12,13 @@ whether the answer was boxed or math-verify found it in unboxed text:
     not a bare number (an integer or decimal). Both are compared after the same cleanup
     (``restatement_key``): math delimiters, spacing, ``\\left``/``\\right``,
     ``\\dfrac``, and the wrappers ``\\text{}``, ``\\textbf{}``, ``\\mathrm{}`` removed,
-    shorthand arguments braced (``\\frac32`` → ``\\frac{3}{2}``, ``\\log_264`` →
-    ``\\log_{2}64``), case folded. An occurrence counts only as a whole token: the gold
-    ``6`` does not occur in ``\\log_264``. Copying an expression or a fraction from the
-    question never counts; a legitimate answer that occurs in the problem (a choice
-    among options, ``\\boxed{B}`` for the gold ``\\text{(B)}``) still counts, because
-    then the gold occurs there too; so does a bare number the question happens to
-    mention ("What is 2070 - 0?").
+    shorthand arguments braced (``\\frac32`` → ``\\frac{3}{2}``, ``\\frac\\pi2`` →
+    ``\\frac{\\pi}{2}``, ``\\log_264`` → ``\\log_{2}64``), case folded. An occurrence
+    counts only as a whole token: the gold ``6`` does not occur in ``\\log_264``.
+    Copying an expression or a fraction from the question never counts; a legitimate
+    answer that occurs in the problem (a choice among options, ``\\boxed{B}`` for the
+    gold ``\\text{(B)}``) still counts, because then the gold occurs there too; so does a
+    bare number the question happens to mention ("What is 2070 - 0?").
 ``numeric_answers="literal"`` (the default)
     When the gold is a number literal, the answer must be one too. Both are read by
     ``normalize.normalize_answer`` (the fast path's own reading): integers, decimals,
@@ -40,14 +40,13 @@ import re
 from typing import Literal
 
 from pipeline.rewards.extract import box_list
-from pipeline.rewards.normalize import latex_cleanup, normalize_answer
+from pipeline.rewards.normalize import brace_shorthand_arguments, latex_cleanup, normalize_answer
 
 NumericAnswers = Literal["literal", "symbolic"]
 
-# A one-character argument written without braces: "^2", "_2", "\frac32", "\sqrt2".
+# A one-character script written without braces: "^2", "_2" (those of "\frac32" and "\sqrt2"
+# are braced by normalize.brace_shorthand_arguments).
 _SHORTHAND_SCRIPT = re.compile(r"([_^])([A-Za-z0-9])")
-_SHORTHAND_MACRO_ARGUMENT = re.compile(r"(\\(?:frac|sqrt))(\d)")
-_SHORTHAND_SECOND_FRACTION_ARGUMENT = re.compile(r"(\\frac\{[^{}]*\}) ?(\d)")  # "\frac 3 4" too
 
 
 def number_literal(text: str) -> bool:
@@ -65,10 +64,8 @@ def bare_number(text: str) -> bool:
 def restatement_key(text: str) -> str:
     """``text`` as the restatement test compares it (see the module docstring)."""
     boxes = box_list(text)
-    key = latex_cleanup(text if boxes is None else ", ".join(boxes))
+    key = brace_shorthand_arguments(latex_cleanup(text if boxes is None else ", ".join(boxes)))
     key = _SHORTHAND_SCRIPT.sub(r"\1{\2}", key)
-    key = _SHORTHAND_MACRO_ARGUMENT.sub(r"\1{\2}", key)
-    key = _SHORTHAND_SECOND_FRACTION_ARGUMENT.sub(r"\1{\2}", key)
     return key.lower().rstrip(".")
 
 

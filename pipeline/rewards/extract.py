@@ -35,12 +35,26 @@ _ANSWER_EDGE = re.compile(r"(?:\s++|\$|\\[()\[\]])*+\.?(?:\s++|\$|\\[()\[\]])*+"
 # An expression written in plain text ("2x+1", "3x^2 - 2x + 1", "2\sqrt{3}", "2(x+1)"):
 # terms written without spaces (numbers, one-letter variables, LaTeX commands, brackets,
 # powers, subscripts) joined by operators. A letter next to another letter is a word
-# ("is", "cm"), never a variable, so prose and unit words end the expression.
-_TERM_PIECE = r"(?:\d++(?:\.\d++)?+|(?<![A-Za-z])[A-Za-z](?![A-Za-z])|\\[A-Za-z]++|[(){}\[\]^_!])"
-_OPERATOR = r"(?:[ \t]*+(?:[+\-*/\u00d7\u00f7\u00b7]|\\(?:cdot|times|div|pm)(?![A-Za-z]))[ \t]*+)"
-_PLAIN_EXPRESSION = re.compile(rf"-?{_TERM_PIECE}++(?:{_OPERATOR}{_TERM_PIECE}++)*+")
-# A number written against a variable, a command or a bracket: "2x", "2\sqrt", "2(".
-_COEFFICIENT = re.compile(r"\d[A-Za-z\\(]")
+# ("is", "cm"), never a variable, so prose and unit words end the expression. LaTeX
+# commands are never prose, so spaces may stand before one ("2 \pi", "10 \sqrt{2}") and
+# between one and its argument ("\sqrt 5"). Operator, spacing and relation commands are
+# not terms: "2\times 10^5" is one expression, not "2\times"; "y \le 1", like "y = 1", two.
+_NOT_A_TERM_COMMAND = (
+    r"(?:cdot|times|div|pm|mp|quad|qquad|le|leq|ge|geq|lt|gt|ne|neq|approx|equiv|sim|simeq|cong|in|notin"
+    r"|to|implies|iff|Rightarrow|rightarrow|Leftrightarrow|mid)(?![A-Za-z])"
+)
+_COMMAND = rf"\\(?!{_NOT_A_TERM_COMMAND})[A-Za-z]++(?:[ \t]++(?=[\d{{]))?+"
+_TERM_PIECE = rf"(?:\d++(?:\.\d++)?+|(?<![A-Za-z])[A-Za-z](?![A-Za-z])|{_COMMAND}|[(){{}}\[\]^_!])"
+_TERM = rf"{_TERM_PIECE}(?:{_TERM_PIECE}|[ \t]++{_COMMAND})*+"
+_OPERATOR = r"(?:[ \t]*+(?:[+\-*/\u00d7\u00f7\u00b7]|\\(?:cdot|times|div|pm|mp)(?![A-Za-z]))[ \t]*+)"
+_PLAIN_EXPRESSION = re.compile(rf"-?{_TERM}(?:{_OPERATOR}{_TERM})*+")
+# More than a number: a variable, a command, a power or a subscript.
+_BEYOND_A_NUMBER = re.compile(r"[A-Za-z^_]")
+# Written in LaTeX (a command, a power, a subscript), which prose never is: "2 + \sqrt{3} and
+# so on" ends with an expression, "5 - a classic result" with words.
+_LATEX_SYNTAX = re.compile(r"\\[A-Za-z]|[\^_]")
+# A number written against a variable or a bracket: "2x", "2(".
+_COEFFICIENT = re.compile(r"\d[A-Za-z(]")
 # What may follow a complete expression: the end of the text, a line or a sentence.
 _EXPRESSION_END = re.compile(r"[ \t]*+(?:[.,;:!?$)\]\n]|\Z)")
 _BRACKET_PAIRS = {")": "(", "]": "[", "}": "{"}
@@ -137,7 +151,13 @@ def final_boxed(text: str) -> BoxedAnswer | None:
 def box_list(text: str) -> list[str] | None:
     """The contents of the boxes when ``text`` is two or more non-empty boxes joined by
     list separators and nothing else (``\\boxed{1} \\text{ and } \\boxed{2}``,
-    ``$\\boxed{1}$, $\\boxed{2}$.``), else ``None``. Linear in ``len(text)``."""
+    ``$\\boxed{1}$, $\\boxed{2}$.``, ``\\boxed{1}\\boxed{2}``), else ``None``. Linear in ``len(text)``.
+
+    Unlike ``final_boxed``, no comma, semicolon or "and" is needed between two boxes: a
+    text that is nothing but boxes has no intermediate results among them, so a gold
+    written ``\\boxed{1}\\boxed{2}`` is the list ``1, 2``, never the number 12. (A response's
+    answer reaches here only through ``final_boxed``, which already asked for the marks.)
+    """
     if "box" not in text:
         return None
     contents: list[str] = []
@@ -152,10 +172,7 @@ def box_list(text: str) -> list[str] | None:
         contents.append(content)
         if _ANSWER_EDGE.match(text, end).end() == len(text):
             return contents if len(contents) > 1 else None
-        separator_end = _LIST_SEPARATOR.match(text, end).end()
-        if not _lists(text[end:separator_end]):
-            return None
-        position = separator_end
+        position = _LIST_SEPARATOR.match(text, end).end()
 
 
 def _balanced_prefix_end(text: str, start: int, end: int) -> int | None:
@@ -176,15 +193,18 @@ def _balanced_prefix_end(text: str, start: int, end: int) -> int | None:
 
 
 def enclosing_expression(text: str, start: int, end: int) -> tuple[int, int] | None:
-    """The plain-text expression that the number at ``text[start:end]`` is one term of,
-    as ``(start, end)``, or ``None`` when the number stands alone (or the expression is
-    not a complete one).
+    """The plain-text expression that the number (or bare ``\\frac{..}{..}``) at
+    ``text[start:end]`` is one term of, as ``(start, end)``, or ``None`` when it stands
+    alone (or the expression is not a complete one).
 
     math-verify's plain-text extraction reads numbers only, so "the answer is 2x+1"
-    yields ``2`` and "we get 2x + 1" yields ``1``. The expression counts when it holds a
-    variable or a LaTeX command and either starts with a coefficient written against
-    it ("2x", "2\\sqrt{3}", "2(x+1)") or ends where a sentence or line does ("x + 1.");
-    this keeps "5 - a classic result" the number 5. Linear in the length of the line.
+    yields ``2`` and "we get 2x + 1" yields ``1``; its LaTeX extraction reads a bare
+    ``\\frac`` only, so "the answer is 12\\frac{1}{2}" yields ``\\frac{1}{2}``. The expression
+    counts when it holds more than numbers (a variable, a LaTeX command, a power or a
+    subscript) and either is written in LaTeX ("2 \\pi", "5 - \\sqrt{2}", "2^{10}"), starts
+    with a coefficient written against a variable or bracket ("2x", "2(x+1)") or ends
+    where a sentence or line does ("x + 1."); this keeps "5 - a classic result" the
+    number 5. Linear in the length of the line.
     """
     line_start = max(text.rfind("\n", 0, start) + 1, start - MAX_PLAIN_EXPRESSION_CHARS)
     for run in _PLAIN_EXPRESSION.finditer(text, line_start):
@@ -196,9 +216,13 @@ def enclosing_expression(text: str, start: int, end: int) -> tuple[int, int] | N
         if run_end is None or run_end < end or run_end - run.start() > MAX_PLAIN_EXPRESSION_CHARS:
             return None
         expression = text[run.start() : run_end]
-        if (run.start(), run_end) == (start, end) or not re.search(r"[A-Za-z]", expression):
+        if (run.start(), run_end) == (start, end) or not _BEYOND_A_NUMBER.search(expression):
             return None
-        if _COEFFICIENT.search(expression) or _EXPRESSION_END.match(text, run_end):
+        if (
+            _LATEX_SYNTAX.search(expression)
+            or _COEFFICIENT.search(expression)
+            or _EXPRESSION_END.match(text, run_end)
+        ):
             return run.start(), run_end
         return None
     return None

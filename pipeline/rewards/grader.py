@@ -272,6 +272,12 @@ def _answer_span(match: re.Match[str]) -> tuple[int, int]:
     return min(start for start, _ in spans), max(end for _, end in spans)
 
 
+def _bare_fraction(match: re.Match[str]) -> bool:
+    """Whether math-verify's match is a ``\\frac`` written outside math delimiters (its
+    LaTeX regexes find those without the terms around them: "12\\frac{1}{2}", "1 + \\frac{1}{2}")."""
+    return any(value is not None and name.endswith("_latexFraction") for name, value in match.groupdict().items())
+
+
 # Named groups of math-verify's regexes that hold the answer: LaTeX environments
 # ("first_latexInlineDollar", "next2_latexBoxed"), their percent signs, and the parts
 # of a plain number or expression.
@@ -291,8 +297,9 @@ def extract_from_text(text: str) -> tuple[list[Any], str | None]:
     often not in the response; the answer rules must see what the response says, so
     this walks the same regexes in the same order and keeps the match's position.
 
-    One correction: math-verify's plain-text regexes read numbers only, so a number
-    that is one term of an expression written in plain text ("the answer is 2x+1")
+    One correction: math-verify's plain-text regexes read numbers only, and its LaTeX
+    regexes a bare ``\\frac`` only, so a number or bare fraction that is one term of an
+    expression written in plain text ("the answer is 2x+1", "2 \\pi", "12\\frac{1}{2}")
     stands for the whole expression (``extract.enclosing_expression``), parsed as LaTeX.
     """
     from math_verify import ExprExtractionConfig
@@ -308,7 +315,7 @@ def extract_from_text(text: str) -> tuple[list[Any], str | None]:
         for match, target in matches:
             parsed, normalized = extract_match(match, target)
             start, end = _answer_span(match)
-            if parsed is not None and isinstance(target, ExprExtractionConfig):
+            if parsed is not None and (isinstance(target, ExprExtractionConfig) or _bare_fraction(match)):
                 expression = enclosing_expression(text, start, end)
                 if expression is not None:
                     written = text[expression[0] : expression[1]]

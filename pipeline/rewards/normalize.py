@@ -27,8 +27,9 @@ From 0.01 up that is math-verify's own rule (it rounds to 6 decimal places); bel
 Every step is meaning-preserving LaTeX cleanup except the "lossy" ones (percent,
 degrees, a leading ``x =``, currency), which are recorded in ``marks``. Unit words
 carry no value and are dropped. When a step reads something math-verify cannot
-(unit words it does not know, repeating decimals, ``°``), ``for_math_verify`` holds the
-answer rewritten in plain LaTeX, so the slow path sees the same number.
+(unit words it does not know, repeating decimals, ``°``, brace-less ``\\frac``/``\\sqrt``
+arguments such as ``\\frac\\pi2``), ``for_math_verify`` holds the answer rewritten in plain
+LaTeX, so the slow path sees the same number.
 All work is linear in the (bounded) answer length; numbers with more than
 ``MAX_NUMBER_CHARS`` characters are not converted, so no huge integers are built.
 """
@@ -45,6 +46,7 @@ from pipeline.rewards.extract import box_list, find_closing_brace
 __all__ = [
     "MAX_NUMBER_CHARS",
     "NormalizedAnswer",
+    "brace_shorthand_arguments",
     "fast_compare",
     "latex_cleanup",
     "normalize_answer",
@@ -107,6 +109,23 @@ _VALUE_WORDS = frozenset(
     "eighth eighths ninth ninths tenth tenths hundredth hundredths thousandth thousandths "
     "pi sqrt sin cos tan cot sec csc log ln exp infinity inf infty".split()
 )
+# One LaTeX token: a control word ("\frac", "\pi"), a control symbol ("\{", "\\"), a run of
+# whitespace, or one other character. Possessive, so one linear scan.
+_LATEX_TOKEN = re.compile(r"\\(?:[A-Za-z]++|.)|\s++|.", re.DOTALL)
+# Macros whose arguments may be written without braces, with how many they take.
+_SHORTHAND_MACROS = {"\\frac": 2, "\\dfrac": 2, "\\tfrac": 2, "\\cfrac": 2, "\\sqrt": 1}
+# Where there may be something to brace: a \frac or \sqrt not followed by braced arguments
+# ("\frac{1}{2}", the common case, is not), or one that is a script's argument.
+_SHORTHAND_CANDIDATE = re.compile(
+    r"\\(?:[dtc]?frac|sqrt)(?![A-Za-z])(?!\{[^{}]*+\}\{)|[\^_]\s*+\\(?:[dtc]?frac|sqrt)(?![A-Za-z])"
+)
+# Macros that take arguments of their own, so never stand as one brace-less argument:
+# "\frac\sqrt23" is not a fraction of two one-token arguments (TeX rejects it too).
+_ARGUMENT_MACROS = frozenset(
+    "frac dfrac tfrac cfrac sqrt text textbf textit textrm textnormal mathrm mathbf mathit mathbb mathcal "
+    "operatorname mbox boxed fbox overline underline bar hat vec tilde widehat widetilde dot ddot "
+    "binom dbinom tbinom left right begin end".split()
+)
 _MARK_WORDS = {"percent": "percent", "percentage": "percent", "degree": "degrees", "degrees": "degrees"}
 # Marks that change which values are equal (10% may be 0.1, 30 degrees may be pi/6):
 # numbers where only one side has one are left to math-verify's conventions.
@@ -122,7 +141,8 @@ class NormalizedAnswer:
     still to be divided out such as ``100/2``, ``repeating``; ``None`` for anything else);
     ``marks`` names the lossy normalizations applied;
     ``for_math_verify`` is the answer rewritten for math-verify when it holds something
-    math-verify reads differently (unit words, a repeating decimal, ``°``, several boxes),
+    math-verify reads differently (unit words, a repeating decimal, ``°``, several boxes,
+    brace-less ``\\frac``/``\\sqrt`` arguments),
     else ``None``; ``is_list`` says the answer is a list of two or more items by its
     writing (several boxes, or ``32, 349``), so never one number.
     """
@@ -164,6 +184,92 @@ def _drop_spaces(text: str) -> str:
         return ""
 
     return _SPACE.sub(keep_if_separating, text)
+
+
+def _brace_less_argument(token: str) -> bool:
+    """Whether ``token`` can be a whole argument written without braces: one digit or
+    letter (``\\frac12``, ``\\frac1x``) or a macro that takes none (``\\frac\\pi2``)."""
+    if len(token) == 1:
+        return token.isascii() and token.isalnum()
+    return token[0] == "\\" and token[1:].isalpha() and token[1:] not in _ARGUMENT_MACROS
+
+
+def brace_shorthand_arguments(text: str) -> str:
+    """``text`` with the brace-less arguments of ``\\frac`` (``\\dfrac``, ``\\tfrac``,
+    ``\\cfrac``) and ``\\sqrt`` braced, as TeX reads them: one token each, so ``\\frac3{3}``,
+    ``\\frac{3}3``, ``\\frac 3 4``, ``\\frac\\pi2``, ``\\frac{1}x``, ``\\frac12x``, ``\\sqrt\\pi``
+    become ``\\frac{3}{3}``, ..., ``\\frac{1}{2}x``, ``\\sqrt{\\pi}``. A fraction that is a
+    script's argument is braced whole (``2^\\frac12`` is ``2^{\\frac{1}{2}}``).
+
+    math-verify reads some of these shapes (``\\frac12``, ``\\frac1x``) but misreads others:
+    ``\\frac\\pi2`` and ``\\frac{1}x`` do not parse and ``2^\\frac{1}{2}`` parses as 1/2.
+    Text with nothing to brace is returned as is. Linear in ``len(text)``: one tokenizing
+    pass, one pass to pair the braces and one to rewrite.
+    """
+    if _SHORTHAND_CANDIDATE.search(text) is None:
+        return text
+    tokens = _LATEX_TOKEN.findall(text)
+    closing: dict[int, int] = {}  # the token index of each "{" -> that of its "}"
+    open_braces: list[int] = []
+    next_bracket = [len(tokens)] * (len(tokens) + 1)  # the index of the first "]" at or after each token
+    for index, token in enumerate(tokens):
+        if token == "{":
+            open_braces.append(index)
+        elif token == "}" and open_braces:
+            closing[open_braces.pop()] = index
+    for index in range(len(tokens) - 1, -1, -1):
+        next_bracket[index] = index if tokens[index] == "]" else next_bracket[index + 1]
+
+    def skip_spaces(index: int, step: int = 1) -> int:
+        while 0 <= index < len(tokens) and tokens[index].isspace():
+            index += step
+        return index
+
+    before: dict[int, str] = {}  # text inserted before / after a token
+    after: dict[int, str] = {}
+    dropped: set[int] = set()
+    for index, token in enumerate(tokens):
+        count = _SHORTHAND_MACROS.get(token)
+        if count is None:
+            continue
+        position = index + 1
+        if token == "\\sqrt":
+            bracket = skip_spaces(position)
+            if bracket < len(tokens) and tokens[bracket] == "[":  # \sqrt[3]8: the root's degree is no argument
+                position = next_bracket[bracket] + 1
+        arguments: list[tuple[int, int, bool]] = []  # first token, last token, written in braces
+        spaces: list[int] = []
+        for _ in range(count):
+            start = position
+            position = skip_spaces(position)
+            spaces.extend(range(start, min(position, len(tokens))))
+            if position >= len(tokens):
+                break
+            if tokens[position] == "{" and position in closing:
+                arguments.append((position, closing[position], True))
+                position = closing[position] + 1
+            elif _brace_less_argument(tokens[position]):
+                arguments.append((position, position, False))
+                position += 1
+            else:
+                break
+        if len(arguments) < count:
+            continue
+        dropped.update(spaces)  # they only separated the arguments: "\frac 3 4" is "\frac{3}{4}"
+        for first, last, braced in arguments:
+            if not braced:
+                before[first] = before.get(first, "") + "{"
+                after[last] = after.get(last, "") + "}"
+        previous = skip_spaces(index - 1, step=-1)
+        if previous >= 0 and tokens[previous] in ("^", "_"):
+            before[index] = "{" + before.get(index, "")
+            after[arguments[-1][1]] = after.get(arguments[-1][1], "") + "}"
+    if not before and not dropped:
+        return text
+    return "".join(
+        "" if index in dropped else before.get(index, "") + token + after.get(index, "")
+        for index, token in enumerate(tokens)
+    )
 
 
 def _strip_outer_braces(text: str) -> str:
@@ -307,6 +413,9 @@ def normalize_answer(answer: str) -> NormalizedAnswer:
         for_math_verify = _as_latex(value, form, text, final_marks)
     elif "°" in answer:
         for_math_verify = answer.replace("°", "^\\circ")
+    braced = brace_shorthand_arguments(for_math_verify or answer)
+    if braced != (for_math_verify or answer):
+        for_math_verify = braced
     return NormalizedAnswer(
         text=text, value=value, form=form, marks=final_marks, for_math_verify=for_math_verify, is_list=is_list
     )

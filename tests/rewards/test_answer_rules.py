@@ -34,6 +34,8 @@ def test_an_expression_copied_from_the_question_restates_it():
     # Shorthand is compared braced, however it is spaced.
     assert restates_problem("\\frac34", problem="Write $\\frac 3 4$ as a decimal.", gold="0.75")
     assert restates_problem("\\frac 3 4", problem="Write $\\frac{3}{4}$ as a decimal.", gold="0.75")
+    assert restates_problem("\\frac\\pi2", problem="Convert $\\frac{\\pi}{2}$ radians to degrees.", gold="90")
+    assert restates_problem("\\frac{1}x", problem="Write $\\frac1x$ with a positive exponent.", gold="x^{-1}")
     # A list written as boxes is compared as the list.
     problem = "Order 1, 2, 3 from largest to smallest."
     assert restates_problem("\\boxed{1}, \\boxed{2}, \\boxed{3}", problem=problem, gold="3, 2, 1")

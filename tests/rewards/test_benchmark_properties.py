@@ -28,7 +28,6 @@ ECHO_FORMS = ("echo", "boxed", "dollars")
 EXEMPT: dict[tuple[str, str], str] = {
     ("math500/test/test/number_theory/737.json", "echo"): "bare_number",  # '284' = '284'
     ("math500/test/test/number_theory/737.json", "dollars"): "bare_number",  # '284' = '284'
-    ("math500/test/test/prealgebra/1747.json", "dollars"): "bare_number",  # '1' = '1'
     ("math500/test/test/intermediate_algebra/1151.json", "echo"): "bare_number",  # '1' = '1'
     ("math500/test/test/intermediate_algebra/1151.json", "dollars"): "bare_number",  # '1' = '1'
     ("math500/test/test/intermediate_algebra/1510.json", "dollars"): "bare_number",  # '0' = '0'

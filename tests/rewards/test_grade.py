@@ -36,6 +36,13 @@ EQUIVALENT = [
     ("The roots are $\\boxed{1}$ and $\\boxed{2}$.", "1, 2"),  # one answer in several boxes
     ("\\boxed{1, 234}", "\\boxed{1} \\text{ and } \\boxed{234}"),
     ("So the answer is 2x+1", "2x+1"),  # unboxed: the whole expression, not its first term
+    ("\\boxed{\\frac\\pi2}", "\\frac{\\pi}{2}"),  # brace-less arguments read as TeX reads them
+    ("\\boxed{\\frac{\\pi}{2}}", "\\frac\\pi2"),  # ... in the gold too
+    ("\\boxed{\\frac{1}x}", "\\frac{1}{x}"),
+    ("\\boxed{2^\\frac12}", "\\sqrt{2}"),
+    ("$\\boxed{1,2}$", "$\\boxed{1}\\boxed{2}$"),  # a gold of boxes is a list, commas or not
+    ("The answer is 2 \\pi", "2\\pi"),  # unboxed LaTeX: a space before a command does not cut it
+    ("The answer is 12\\frac{1}{2}", "12\\frac12"),
 ]
 
 NOT_EQUIVALENT = [
@@ -52,6 +59,11 @@ NOT_EQUIVALENT = [
     ("\\boxed{1234}", "\\boxed{1}, \\boxed{234}"),
     ("So the answer is 2x+1", "2"),
     ("So the answer is 2x+2", "2x+1"),
+    ("\\boxed{2^\\frac{\\pi}{2}}", "\\frac{\\pi}{2}"),  # the power of 2, not the fraction after "2^"
+    ("\\boxed{12}", "\\boxed{1}\\boxed{2}"),  # not the number the digits of the boxes spell
+    ("The answer is 2 \\pi", "2"),
+    ("The final answer is 70 \\sqrt{2}", "70"),
+    ("The answer is 1 + \\frac{1}{2}", "\\frac{1}{2}"),
 ]
 
 

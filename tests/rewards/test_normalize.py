@@ -1,12 +1,13 @@
 """The fast path: normalization, exact rationals, and soundness against math-verify."""
 
+import time
 from fractions import Fraction
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.rewards.normalize import MAX_NUMBER_CHARS, fast_compare, normalize_answer
+from pipeline.rewards.normalize import MAX_NUMBER_CHARS, brace_shorthand_arguments, fast_compare, normalize_answer
 
 
 def verdict(pred: str, gold: str) -> bool | None:
@@ -66,6 +67,53 @@ def test_an_answer_written_as_several_boxes_reaches_math_verify_as_one_list():
     normalized = normalize_answer("$\\boxed{1}$ and $\\boxed{x = 2}$")
     assert normalized.is_list and normalized.for_math_verify == "1, x = 2"
     assert not normalize_answer("1,234").is_list and normalize_answer("1, 234").is_list
+
+
+@pytest.mark.parametrize(
+    ("text", "braced"),
+    [
+        ("\\frac3{3}", "\\frac{3}{3}"),
+        ("\\frac{3}3", "\\frac{3}{3}"),
+        ("\\dfrac34", "\\dfrac{3}{4}"),
+        ("-\\tfrac12", "-\\tfrac{1}{2}"),
+        ("\\frac 3 4", "\\frac{3}{4}"),  # spaces only separate the arguments
+        ("\\frac\\pi2", "\\frac{\\pi}{2}"),  # a command without arguments is one token
+        ("\\frac{1}x", "\\frac{1}{x}"),
+        ("\\frac12x", "\\frac{1}{2}x"),  # one token each: (1/2) x
+        ("2 + \\frac{3}\\pi", "2 + \\frac{3}{\\pi}"),
+        ("\\frac{\\frac1x}2", "\\frac{\\frac{1}{x}}{2}"),
+        ("\\sqrt\\pi", "\\sqrt{\\pi}"),
+        ("\\sqrt[3]8", "\\sqrt[3]{8}"),
+        ("2^\\frac12", "2^{\\frac{1}{2}}"),  # a script's argument is the whole fraction
+        ("e^\\frac{x}{2}", "e^{\\frac{x}{2}}"),
+        ("\\frac{1}{2}", "\\frac{1}{2}"),  # nothing to brace
+        ("\\frac\\sqrt23", "\\frac\\sqrt{2}3"),  # \\sqrt takes an argument: no one-token argument of \\frac
+        ("\\\\frac12", "\\\\frac12"),  # a line break, then the word "frac"
+        ("\\frac1", "\\frac1"),  # a missing argument: left as written
+        ("\\frac{1", "\\frac{1"),
+    ],
+)
+def test_brace_shorthand_arguments_reads_them_as_tex_does(text, braced):
+    assert brace_shorthand_arguments(text) == braced
+
+
+def test_brace_less_arguments_reach_math_verify_braced():
+    assert normalize_answer("\\frac\\pi2").for_math_verify == "\\frac{\\pi}{2}"
+    assert normalize_answer("\\frac{\\pi}{2}").for_math_verify is None
+    assert normalize_answer("\\boxed{\\frac\\pi2}, \\boxed{1}").for_math_verify == "\\frac{\\pi}{2}, 1"
+    # The fast path's reading is unchanged: a brace-less quotient is still a quotient.
+    assert normalize_answer("\\frac3{3}").form == normalize_answer("\\frac{3}{3}").form == "quotient"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["\\frac{" * 150_000, "\\sqrt[" * 150_000, "\\frac" * 150_000, "\\frac12" * 100_000, "x^\\frac12" * 80_000,
+     "\\frac" + " " * 1_000_000 + "1"],
+)
+def test_brace_shorthand_arguments_is_linear_on_megabyte_inputs(text):
+    start = time.perf_counter()
+    brace_shorthand_arguments(text)
+    assert time.perf_counter() - start < 2.0
 
 
 @pytest.mark.parametrize(
