@@ -359,26 +359,82 @@ class DynamicSamplingConfig:
     max_rounds: int = option(4, ge=1, help="cap on generation rounds per step (the batch trains on what it has)")
 
 
+# DEPO ("Difficulty-Estimated Policy Optimization") values shared by the online filter
+# (``DepoConfig``) and `winnow train-estimator` (``TrainEstimatorConfig``), defined once.
+DEPO_W_DISTILL = 0.5  # §4.1
+DEPO_W_RANK = 3.0  # §4.1
+DEPO_RANK_MARGIN = 0.5  # the paper gives none; see pipeline.algorithms.depo.pairwise_ranking_loss
+DEPO_W_ZERO_VARIANCE = 1.0  # winnow's zero-variance head: as much weight as L_DE
+DEPO_FILTER_RATIO = 0.5  # §4.3, Figure 6: the filter ratio "stabilizes at approximately 50%"
+DEPO_DROP_THRESHOLD = 0.5  # a dropped prompt is more likely wasted than not
+# The online learning rate by encoder kind (``DifficultyEstimator.kind``): a random 2-layer
+# encoder needs 1e-3 to separate the CPU pool's prompts within the warm-up; pre-trained MiniLM
+# is fine-tuned in BERT's usual range, where larger steps erase what pre-training gave it.
+DEPO_ONLINE_LR = {"tiny": 1e-3, "minilm": 5e-5}
+
+
 @dataclass(kw_only=True, slots=True)
 class DepoConfig:
     estimator_dir: str | None = option(
-        None, help="a trained estimator (`winnow train-estimator` output_dir/estimator); null: a fresh one"
+        None, help="a trained estimator (`winnow train-estimator` output_dir/estimator) to warm-start from; "
+        "null: a fresh one"
     )
     encoder: Literal["minilm", "tiny"] = option("tiny", help="encoder of a fresh estimator (estimator_dir null)")
     cache_dir: str = option(
         "estimator", help="where the MiniLM zip is unpacked once (relative: under the cache root, see bootstrap.cache_dir)"
     )
+    filter_ratio: float = option(
+        DEPO_FILTER_RATIO, ge=0.0, le=1.0,
+        help="most candidates dropped per step, the most likely zero-variance first (DEPO §4.3 runs at ~50%)"
+    )
     threshold: float = option(
-        0.9, gt=0.0, le=1.0, help="drop a prompt when the predicted P(all G rewards equal) exceeds this"
+        DEPO_DROP_THRESHOLD, ge=0.0, lt=1.0,
+        help="drop only candidates whose calibrated P(all G rewards equal) exceeds this (0: by filter_ratio alone)"
+    )
+    zero_variance_samples: int | None = option(
+        None, ge=1, help="the G of the predicted and labelled event P(all G rewards equal) (null: the group size; "
+        "under Reinforce-Ada-Seq its pool's most samples, so only prompts no round could rescue are dropped)"
+    )
+    audit_fraction: float = option(
+        0.05, ge=0.0, le=1.0, help="after warm-up, the share of would-be-dropped prompts rolled out anyway, so "
+        "depo/precision and depo/recall stay measured"
     )
     warmup_steps: int = option(10, ge=0, help="steps the estimator trains online before it filters (DEPO §3.2)")
     oversample: float = option(
         2.0, ge=1.0, help="candidates drawn per kept prompt; filtered batches top up to prompts_per_step from them"
     )
-    lr: float = option(1e-4, gt=0.0, help="online AdamW learning rate")
-    w_distill: float = option(0.5, ge=0.0, help="weight of the actor-perplexity distillation loss (DEPO §4.1)")
-    w_rank: float = option(3.0, ge=0.0, help="weight of the pairwise ranking loss (DEPO §4.1)")
-    margin: float = option(0.1, ge=0.0, help="ranking margin in logit units")
+    lr: float | None = option(
+        None, gt=0.0, help="online AdamW learning rate (null: by the estimator's encoder, 1e-3 for the random tiny "
+        "one, 5e-5 for pre-trained MiniLM)"
+    )
+    replay_size: int = option(
+        4096, ge=2, help="observed (prompt, avg@k, zero-variance label) entries replayed; the oldest leave first "
+        "(48 bytes each)"
+    )
+    minibatches: int = option(4, ge=1, help="estimator updates per RL step, each on a minibatch from the replay buffer")
+    minibatch_size: int = option(
+        32, ge=2, help="prompts per estimator update; the step's first update holds the step's new observations"
+    )
+    calibration_window: int = option(
+        512, ge=1, help="newest pre-rollout predictions the Platt calibration of P(all G rewards equal) is fitted on"
+    )
+    w_distill: float = option(
+        DEPO_W_DISTILL, ge=0.0, help="weight of the actor-perplexity distillation loss (DEPO §4.1)"
+    )
+    w_rank: float = option(DEPO_W_RANK, ge=0.0, help="weight of the pairwise ranking loss (DEPO §4.1)")
+    margin: float = option(
+        DEPO_RANK_MARGIN, ge=0.0, le=1.0,
+        help="ranking margin: the fraction of an observed pass-rate gap the predicted pass rates must reproduce"
+    )
+    w_zero_variance: float = option(
+        DEPO_W_ZERO_VARIANCE, gt=0.0, help="weight of the zero-variance head's loss (the head the filter drops on)"
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.minibatch_size <= self.replay_size, "minibatch_size",
+                 f"{self.minibatch_size} exceeds replay_size={self.replay_size}")
+        _require(self.calibration_window <= self.replay_size, "calibration_window",
+                 f"{self.calibration_window} exceeds replay_size={self.replay_size}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -819,16 +875,28 @@ class TrainEstimatorConfig:
     lr: float = option(2e-5, gt=0.0, help="AdamW learning rate")
     weight_decay: float = option(0.01, ge=0.0, help="AdamW weight decay")
     w_distill: float = option(
-        0.5, ge=0.0, help="weight of L_distill (DEPO §4.1): the policy's question perplexity, recorded by the curation"
+        DEPO_W_DISTILL, ge=0.0,
+        help="weight of L_distill (DEPO §4.1): the policy's question perplexity, recorded by the curation"
     )
-    w_rank: float = option(3.0, ge=0.0, help="weight of the pairwise ranking loss L_rank (DEPO §4.1)")
-    margin: float = option(0.1, ge=0.0, help="ranking margin m in logit units (the paper gives none)")
+    w_rank: float = option(DEPO_W_RANK, ge=0.0, help="weight of the pairwise ranking loss L_rank (DEPO §4.1)")
+    margin: float = option(
+        DEPO_RANK_MARGIN, ge=0.0, le=1.0,
+        help="ranking margin: the fraction of an observed pass-rate gap the predicted pass rates must reproduce"
+    )
+    w_zero_variance: float = option(
+        DEPO_W_ZERO_VARIANCE, gt=0.0, help="weight of the zero-variance head's loss (labels at group_size)"
+    )
     holdout_fraction: float = option(0.1, gt=0.0, lt=1.0, help="fraction of prompts (by id hash) held out")
     group_size: int | None = option(
-        None, ge=1, help="G of the zero-variance filter metric (null: the curation's k, as observed)"
+        None, ge=1, help="G the zero-variance head is trained and scored for; use the RL run's group_size "
+        "(null: the curation's k)"
+    )
+    filter_ratio: float = option(
+        DEPO_FILTER_RATIO, ge=0.0, le=1.0, help="the reported drop rule drops at most this fraction of prompts"
     )
     filter_threshold: float = option(
-        0.5, gt=0.0, le=1.0, help="drop a prompt when P(all G rewards equal) exceeds this (the DEPO filter)"
+        DEPO_DROP_THRESHOLD, ge=0.0, lt=1.0,
+        help="the reported drop rule drops only prompts whose P(all G rewards equal) exceeds this"
     )
     seed: int = option(0, help="seed of the heads' (and tiny encoder's) init and of the batch order")
     output_dir: str = option("runs/estimator", help="where estimator/, calibration.json and calibration.png go")

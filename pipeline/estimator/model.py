@@ -1,4 +1,4 @@
-"""The DEPO difficulty estimator: a BERT encoder with a reward head and an actor-perplexity head.
+"""The DEPO difficulty estimator: a BERT encoder with reward, actor-perplexity and zero-variance heads.
 
 Paper: "Difficulty-Estimated Policy Optimization" (DEPO), §3.1.1 "Model Architecture"
 and Figure 3: a pre-trained BERT reads the raw question text and two heads
@@ -7,6 +7,12 @@ avg@k of the actor's rollouts, and (2) the actor's normalised perplexity P̂ of
 the question. The losses are in ``pipeline.algorithms.depo``.
 
 Choices the paper leaves open:
+
+* a third head, winnow's, for P(all G rewards equal): the event the filter drops on. Its
+  output is a residual added to the logit of the point estimate p̂^G + (1 − p̂)^G
+  (``pipeline.algorithms.depo.zero_variance_logit``), which understates that probability
+  for any prompt class mixing easy and hard members. It starts at zero weights, so an
+  untrained head predicts the point estimate;
 
 * pooling: the attention-masked mean of the last hidden states (the
   sentence-transformers pooling MiniLM was trained with), not the [CLS] vector;
@@ -50,7 +56,11 @@ __all__ = [
 MINILM_PACKAGE = "all_minilm_l6_v2"
 _WEIGHTS_FILE = "model.safetensors"
 _CONFIG_FILE = "estimator.json"
-_FORMAT_VERSION = 1
+# 2 added the zero-variance head; a format-1 folder (two heads) still loads, its third head
+# at its zero initialisation (the point estimate) until the online trainer fits it.
+_FORMAT_VERSION = 2
+_READABLE_FORMATS = (1, 2)
+_ZERO_VARIANCE_HEAD = "zero_variance_head."
 
 
 class TextTokenizer(Protocol):
@@ -174,10 +184,11 @@ def unpack_minilm(cache_dir: str | Path, *, zip_path: str | Path | None = None) 
 
 
 class DifficultyEstimator(nn.Module):
-    """BERT encoder → masked mean pool → (reward logit Â, perplexity logit P̂), each ``(B,)``.
+    """BERT encoder → masked mean pool → (reward logit Â, perplexity logit P̂, zero-variance residual), ``(B,)`` each.
 
     Higher Â = higher predicted pass rate = easier prompt (the orientation of
-    ``pipeline.algorithms.depo``).
+    ``pipeline.algorithms.depo``); the residual, added to the point estimate's logit by
+    ``zero_variance_logit``, raises P(all G rollouts get one reward) above what p̂ implies.
     """
 
     def __init__(self, *, encoder: nn.Module, tokenizer: TextTokenizer, max_length: int, kind: str) -> None:
@@ -192,6 +203,10 @@ class DifficultyEstimator(nn.Module):
         self.encoder = encoder
         self.reward_head = nn.Linear(hidden, 1)
         self.perplexity_head = nn.Linear(hidden, 1)
+        self.zero_variance_head = nn.Linear(hidden, 1)
+        with torch.no_grad():  # a residual: zero predicts the point estimate (module docstring)
+            self.zero_variance_head.weight.zero_()
+            self.zero_variance_head.bias.zero_()
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.kind = kind
@@ -233,15 +248,17 @@ class DifficultyEstimator(nn.Module):
     def device(self) -> torch.device:
         return self.reward_head.weight.device
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B, T)`` ids and mask → (reward logits ``(B,)``, perplexity logits ``(B,)``)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(B, T)`` ids and mask → (reward logits, perplexity logits, zero-variance residuals), each ``(B,)``."""
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
         mask = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)  # (B, H)
-        return self.reward_head(pooled).squeeze(-1), self.perplexity_head(pooled).squeeze(-1)
+        return (self.reward_head(pooled).squeeze(-1), self.perplexity_head(pooled).squeeze(-1),
+                self.zero_variance_head(pooled).squeeze(-1))
 
-    def score(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokenize and run ``texts`` with autograd (the trainer's path): (Â ``(B,)``, P̂ ``(B,)``)."""
+    def score(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokenize and run ``texts`` with autograd (the trainer's path): (Â, P̂, zero-variance residual), ``(B,)``."""
         if len(texts) == 0:
             raise ValueError("score: no texts")
         input_ids, attention_mask = self.tokenizer(texts, max_length=self.max_length)
@@ -249,18 +266,25 @@ class DifficultyEstimator(nn.Module):
         return self(input_ids.to(self.device), attention_mask.to(self.device))
 
     @torch.no_grad()
-    def predict_logits(self, texts: Sequence[str], *, batch_size: int = 64) -> torch.Tensor:
-        """Reward logits Â ``(B,)`` float32 on CPU, in eval mode (no dropout), ``batch_size`` texts at a time."""
+    def predict_heads(self, texts: Sequence[str], *, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        """(reward logits Â, zero-variance residuals), each ``(B,)`` float32 on CPU, in eval mode (no dropout),
+        ``batch_size`` texts at a time. ``zero_variance_logit`` turns the pair into Ẑ for a group size."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         was_training = self.training
         self.eval()
         try:
-            chunks = [self.score(texts[start : start + batch_size])[0].float().cpu()
-                      for start in range(0, len(texts), batch_size)]
+            chunks = [self.score(texts[start : start + batch_size]) for start in range(0, len(texts), batch_size)]
         finally:
             self.train(was_training)
-        return torch.cat(chunks) if chunks else torch.zeros(0)
+        if not chunks:
+            return torch.zeros(0), torch.zeros(0)
+        return (torch.cat([chunk[0] for chunk in chunks]).float().cpu(),
+                torch.cat([chunk[2] for chunk in chunks]).float().cpu())
+
+    def predict_logits(self, texts: Sequence[str], *, batch_size: int = 64) -> torch.Tensor:
+        """Reward logits Â ``(B,)`` float32 on CPU, without gradient (``predict_heads``)."""
+        return self.predict_heads(texts, batch_size=batch_size)[0]
 
     def predict_pass_rate(self, texts: Sequence[str], *, batch_size: int = 64) -> torch.Tensor:
         """Predicted pass rate p̂ = σ(Â) ``(B,)`` float32, without gradient."""
@@ -287,7 +311,11 @@ class DifficultyEstimator(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path) -> DifficultyEstimator:
-        """Rebuild an estimator written by ``save`` (exact weights; no network, no pickle)."""
+        """Rebuild an estimator written by ``save`` (exact weights; no network, no pickle).
+
+        A format-1 folder (written before the zero-variance head existed) loads with that head
+        at its zero initialisation: it predicts the point estimate p̂^G + (1 − p̂)^G until trained.
+        """
         from transformers import BertConfig, BertModel
 
         directory = Path(directory)
@@ -295,9 +323,9 @@ class DifficultyEstimator(nn.Module):
         if not config_path.is_file() or not (directory / _WEIGHTS_FILE).is_file():
             raise CheckpointError(f"{directory}: not a saved estimator ({_CONFIG_FILE} or {_WEIGHTS_FILE} missing)")
         described = json.loads(config_path.read_text())
-        if described.get("format") != _FORMAT_VERSION:
+        if described.get("format") not in _READABLE_FORMATS:
             raise CheckpointError(f"{config_path}: format {described.get('format')!r}, "
-                                  f"this version reads {_FORMAT_VERSION}")
+                                  f"this version reads {list(_READABLE_FORMATS)}")
         tokenizer: TextTokenizer
         if described["tokenizer"] == ByteTokenizer.kind:
             tokenizer = ByteTokenizer()
@@ -309,6 +337,9 @@ class DifficultyEstimator(nn.Module):
         model = cls(encoder=encoder, tokenizer=tokenizer, max_length=int(described["max_length"]),
                     kind=described["kind"])
         state = load_file(str(directory / _WEIGHTS_FILE))
+        if described["format"] == 1:
+            state = {**state, **{_ZERO_VARIANCE_HEAD + name: tensor.detach().clone()
+                                 for name, tensor in model.zero_variance_head.state_dict().items()}}
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise CheckpointError(f"{directory / _WEIGHTS_FILE}: missing {sorted(missing)[:4]}, "

@@ -1,18 +1,20 @@
-"""Online trainer of the DEPO difficulty estimator, and its calibration report.
+"""Trainer of the DEPO difficulty estimator, and its calibration report.
 
 Paper: "Difficulty-Estimated Policy Optimization", §3.1.2 (L = L_DE + w_distill·L_distill
 + w_rank·L_rank, weights 0.5 and 3 from §4.1) and §3.2 (the estimator trains on every
 step's rollouts; filtering starts after a warm-up). The losses are the pure functions of
-``pipeline.algorithms.depo``; this module owns the optimizer and the state.
+``pipeline.algorithms.depo``; this module owns the optimizer and the state. The online
+loop around it (replay buffer, minibatches, calibration) is ``pipeline.estimator.online``.
 
 Choices the paper leaves open:
 
-* AdamW (lr 2e-5, weight decay 0.01: the usual BERT fine-tuning values) with gradient
-  clipping at norm 1;
-* without the actor's question log-probs (offline training on a curation, which does not
-  record them) the distillation term is left out of the loss rather than faked;
-* ``calibration`` counts a prompt as observed zero-variance when every one of its observed
-  samples got the same reward (pass rate exactly 0 or 1).
+* AdamW (weight decay 0.01, the usual BERT fine-tuning value) with gradient clipping at
+  norm 1;
+* a missing actor question log-prob (NaN, or None for the whole batch: offline training on
+  a curation that did not record them) leaves that prompt out of L_distill rather than
+  faking a target; a missing zero-variance label (NaN) leaves it out of L_ZV;
+* ``calibration`` scores the drop rule against each prompt's observed zero-variance label
+  (``zero_variance_targets``: the share of G-subsets of its samples that are all equal).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.algorithms.depo import depo_estimator_loss, depo_filter, filter_precision_recall, perplexity_targets
+from pipeline.algorithms.depo import (
+    depo_drop_decision,
+    depo_estimator_loss,
+    filter_precision_recall,
+    perplexity_targets,
+    zero_variance_log_prob,
+    zero_variance_logit,
+)
 from pipeline.estimator.model import DifficultyEstimator
 
 __all__ = ["EstimatorTrainer", "average_ranks", "reliability_bins", "spearman_correlation"]
@@ -75,55 +84,82 @@ def _as_float(value: float | torch.Tensor) -> float:
 class EstimatorTrainer:
     """AdamW on the DEPO loss; ``update`` per batch of observed prompts, exact ``state_dict`` round trip."""
 
-    def __init__(self, model: DifficultyEstimator, *, lr: float = 2e-5, weight_decay: float = 0.01,
-                 w_distill: float = 0.5, w_rank: float = 3.0, margin: float = 0.1,
+    def __init__(self, model: DifficultyEstimator, *, group_size: int, lr: float, w_distill: float, w_rank: float,
+                 margin: float, w_zero_variance: float, weight_decay: float = 0.01,
                  max_grad_norm: float | None = 1.0) -> None:
+        """``group_size``: the G whose all-equal event the zero-variance head predicts (the RL run's)."""
+        if group_size < 1:
+            raise ValueError(f"group_size must be ≥ 1, got {group_size}")
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
-        if w_distill < 0 or w_rank < 0 or margin < 0:
-            raise ValueError(f"w_distill, w_rank and margin must be ≥ 0, got {w_distill}, {w_rank}, {margin}")
+        if w_distill < 0 or w_rank < 0 or w_zero_variance < 0:
+            raise ValueError(f"w_distill, w_rank and w_zero_variance must be ≥ 0, got {w_distill}, {w_rank}, "
+                             f"{w_zero_variance}")
+        if not (0.0 <= margin <= 1.0):
+            raise ValueError(f"margin must lie in [0, 1], got {margin}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         self.model = model
+        self.group_size = group_size
         self.w_distill, self.w_rank, self.margin = w_distill, w_rank, margin
+        self.w_zero_variance = w_zero_variance
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.num_updates = 0
 
     def update(self, texts: Sequence[str], observed_pass_rates: torch.Tensor,
-               actor_mean_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+               actor_mean_logprobs: torch.Tensor | None = None,
+               zero_variance_targets: torch.Tensor | None = None) -> dict[str, float]:
         """One optimizer step on a batch of prompts whose rollouts were graded.
 
         ``observed_pass_rates`` ``(B,)``: avg@k of each prompt's rewards in [0, 1].
         ``actor_mean_logprobs`` ``(B,)``: the actor's mean token log-prob of each question;
         its exp is the normalised-perplexity target of L_distill (``perplexity_targets``).
-        None leaves L_distill out. The ranking loss compares every pair in the batch, so
-        batches should mix prompts of several difficulties.
+        NaN marks an unknown one; None leaves L_distill out. ``zero_variance_targets`` ``(B,)``:
+        ``zero_variance_targets`` labels (NaN: unknown) for L_ZV; None leaves it out. The
+        ranking loss compares every pair in the batch, so batches should mix prompts of
+        several difficulties.
         """
         if len(texts) != observed_pass_rates.numel() or observed_pass_rates.dim() != 1:
             raise ValueError(f"update: {len(texts)} texts but observed_pass_rates of shape "
                              f"{tuple(observed_pass_rates.shape)}")
+        for name, extra in (("actor_mean_logprobs", actor_mean_logprobs),
+                            ("zero_variance_targets", zero_variance_targets)):
+            if extra is not None and extra.shape != observed_pass_rates.shape:
+                raise ValueError(f"{name} {tuple(extra.shape)} must match observed_pass_rates "
+                                 f"{tuple(observed_pass_rates.shape)}")
         self.model.train()
-        reward_logits, perplexity_logits = self.model.score(texts)  # (B,), (B,)
+        reward_logits, perplexity_logits, zero_variance_residuals = self.model.score(texts)  # (B,) each
         rewards = observed_pass_rates.to(device=reward_logits.device, dtype=reward_logits.dtype)
-        if actor_mean_logprobs is not None:
-            if actor_mean_logprobs.shape != observed_pass_rates.shape:
-                raise ValueError(f"actor_mean_logprobs {tuple(actor_mean_logprobs.shape)} must match "
-                                 f"observed_pass_rates {tuple(observed_pass_rates.shape)}")
-            mean_logprobs = actor_mean_logprobs.to(device=reward_logits.device, dtype=torch.float64)[:, None]
-            targets, target_metrics = perplexity_targets(token_logprobs=mean_logprobs,
-                                                         token_mask=torch.ones_like(mean_logprobs, dtype=torch.bool))
-            distill_weight = self.w_distill
+        known_logprob = (None if actor_mean_logprobs is None
+                         else ~torch.isnan(actor_mean_logprobs.to(reward_logits.device)))  # (B,)
+        target_metrics: dict[str, float] = {}
+        with_distill = known_logprob is not None and bool(known_logprob.any())
+        if with_distill:
+            assert actor_mean_logprobs is not None
+            mean_logprobs = actor_mean_logprobs.to(device=reward_logits.device, dtype=torch.float64)[known_logprob]
+            targets, target_metrics = perplexity_targets(token_logprobs=mean_logprobs[:, None],
+                                                         token_mask=torch.ones_like(mean_logprobs[:, None],
+                                                                                    dtype=torch.bool))
+            # L_distill is the mean over the known rows; scaled by their share so that each row
+            # weighs w_distill/B, as in a batch where every row is known.
+            distill_logits = perplexity_logits[known_logprob]
+            distill_weight = self.w_distill * int(known_logprob.sum()) / len(texts)
         else:
             # The head's own prediction as target with weight 0: an exact zero term and zero gradient.
-            targets, target_metrics = torch.sigmoid(perplexity_logits.detach()), {}
-            distill_weight = 0.0
+            distill_logits, targets, distill_weight = perplexity_logits, torch.sigmoid(perplexity_logits.detach()), 0.0
+        with_zero_variance = zero_variance_targets is not None
         loss, loss_metrics = depo_estimator_loss(
-            advantage_logits=reward_logits, perplexity_logits=perplexity_logits, mean_rewards=rewards,
+            advantage_logits=reward_logits, perplexity_logits=distill_logits, mean_rewards=rewards,
             perplexity_targets=targets.to(reward_logits.dtype), distill_weight=distill_weight,
             rank_weight=self.w_rank, margin=self.margin,
+            zero_variance_logits=zero_variance_logit(head_logits=zero_variance_residuals, pass_rate_logits=reward_logits,
+                                                     group_size=self.group_size) if with_zero_variance else None,
+            zero_variance_targets=(zero_variance_targets.to(device=reward_logits.device, dtype=torch.float64)
+                                   if zero_variance_targets is not None else None),
+            zero_variance_weight=self.w_zero_variance,
         )
-        if actor_mean_logprobs is None:
+        if not with_distill:
             loss_metrics.pop("depo/loss_distill")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -154,7 +190,9 @@ class EstimatorTrainer:
                   for group in optimizer_state["param_groups"]]
         return {"tensors": tensors,
                 "json": {"num_updates": self.num_updates, "param_groups": groups, "scalar_state": scalars,
+                         "group_size": self.group_size,
                          "w_distill": self.w_distill, "w_rank": self.w_rank, "margin": self.margin,
+                         "w_zero_variance": self.w_zero_variance,
                          "max_grad_norm": self.max_grad_norm, "estimator": self.model.describe()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -174,33 +212,54 @@ class EstimatorTrainer:
                   for group in meta["param_groups"]]
         self.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
         self.num_updates = int(meta["num_updates"])
+        self.group_size = int(meta["group_size"])
         self.w_distill, self.w_rank = float(meta["w_distill"]), float(meta["w_rank"])
         self.margin = float(meta["margin"])
+        self.w_zero_variance = float(meta["w_zero_variance"])
         self.max_grad_norm = meta["max_grad_norm"]
 
     # ---------------------------------------------------------------- evaluation
 
-    def calibration(self, texts: Sequence[str], pass_rates: np.ndarray | torch.Tensor, *, group_size: int,
-                    threshold: float, batch_size: int = 64, num_bins: int = 10) -> dict[str, Any]:
-        """How well predicted pass rates match observed ones on ``texts`` (normally held out).
+    def calibration(self, texts: Sequence[str], pass_rates: np.ndarray | torch.Tensor, *,
+                    zero_variance_targets: np.ndarray | torch.Tensor, filter_ratio: float, threshold: float,
+                    batch_size: int = 64, num_bins: int = 10) -> dict[str, Any]:
+        """How well predicted pass rates and zero-variance probabilities match observed ones on ``texts``.
 
-        ``brier``: mean (p̂ − p)²; ``brier_constant``: the same for the best constant
-        (the observed mean), so ``brier < brier_constant`` means the estimator beats
-        predicting the average. ``spearman``: rank correlation of p̂ and p (average ranks
-        for ties). The DEPO filter (``depo_filter`` with ``group_size`` and ``threshold``,
-        warm-up over) is scored against the prompts observed to have zero variance
-        (p ∈ {0, 1}) with ``filter_precision_recall``. ``bins``: reliability-diagram data.
+        ``texts`` are normally held out. Pass rate: ``brier`` is mean (p̂ − p)²,
+        ``brier_constant`` the same for the best constant (the observed mean), so
+        ``brier < brier_constant`` means the estimator beats predicting the average;
+        ``spearman`` is the rank correlation of p̂ and p (average ranks for ties); ``bins`` is
+        reliability-diagram data. Zero variance at the trainer's G, over prompts whose label is
+        known (``zero_variance_targets``, NaN: unknown): ``zero_variance_brier`` of the head's
+        P(all G equal), ``zero_variance_brier_point_estimate`` of p̂^G + (1 − p̂)^G (what the
+        head corrects) and ``zero_variance_brier_constant``. The drop rule
+        (``depo_drop_decision`` at ``filter_ratio`` and ``threshold`` on the head's raw
+        probability: the online filter recalibrates it, ``pipeline.estimator.online``) is
+        scored with ``filter_precision_recall``.
         """
         observed = np.asarray(pass_rates, dtype=np.float64)
-        if observed.ndim != 1 or observed.size != len(texts) or observed.size == 0:
-            raise ValueError(f"calibration: {len(texts)} texts and pass rates of shape {observed.shape}")
+        labels = np.asarray(zero_variance_targets, dtype=np.float64)
+        if observed.ndim != 1 or observed.size != len(texts) or observed.size == 0 or labels.shape != observed.shape:
+            raise ValueError(f"calibration: {len(texts)} texts, pass rates of shape {observed.shape} and "
+                             f"zero-variance targets of shape {labels.shape}")
         if not np.all(np.isfinite(observed)) or np.any((observed < 0) | (observed > 1)):
             raise ValueError("calibration: pass rates must be finite and lie in [0, 1]")
-        predicted = self.model.predict_pass_rate(texts, batch_size=batch_size).double().numpy()  # (N,)
-        keep_mask, filter_metrics = depo_filter(group_size=group_size, threshold=threshold, step=0, warmup_steps=0,
-                                                pass_rate=torch.from_numpy(predicted))
-        zero_variance_mask = torch.from_numpy((observed == 0.0) | (observed == 1.0))
-        precision_recall = filter_precision_recall(filtered_mask=~keep_mask, zero_variance_mask=zero_variance_mask)
+        known = ~np.isnan(labels)
+        if np.any((labels[known] < 0) | (labels[known] > 1)):
+            raise ValueError("calibration: zero-variance targets must lie in [0, 1] (NaN: unknown)")
+        reward_logits, zero_variance_residuals = self.model.predict_heads(texts, batch_size=batch_size)
+        predicted = torch.sigmoid(reward_logits.double()).numpy()  # (N,)
+        zero_variance_prob = torch.sigmoid(zero_variance_logit(head_logits=zero_variance_residuals.double(),
+                                                               pass_rate_logits=reward_logits.double(),
+                                                               group_size=self.group_size))  # (N,)
+        point_estimate = zero_variance_log_prob(group_size=self.group_size,
+                                                pass_rate_logits=reward_logits.double()).exp().numpy()  # (N,)
+        drop_mask, decision_metrics = depo_drop_decision(zero_variance_prob=zero_variance_prob,
+                                                         filter_ratio=filter_ratio, threshold=threshold)
+        known_tensor = torch.from_numpy(known)
+        precision_recall = filter_precision_recall(filtered_mask=drop_mask[known_tensor],
+                                                   zero_variance_mask=torch.from_numpy(labels[known]))
+        head = zero_variance_prob.numpy()
         return {
             "num_prompts": int(observed.size),
             "brier": float(np.mean((predicted - observed) ** 2)),
@@ -210,11 +269,21 @@ class EstimatorTrainer:
             "predicted_mean": float(predicted.mean()),
             "predicted_std": float(predicted.std()),
             "observed_mean": float(observed.mean()),
-            "observed_zero_variance_fraction": float(zero_variance_mask.double().mean()),
-            "filter_ratio": _as_float(filter_metrics["depo/filter_ratio"]),
+            "num_zero_variance_labels": int(known.sum()),
+            "observed_zero_variance_fraction": float(labels[known].mean()) if known.any() else math.nan,
+            "zero_variance_prob_mean": float(head.mean()),
+            "zero_variance_brier": _brier(head[known], labels[known]),
+            "zero_variance_brier_point_estimate": _brier(point_estimate[known], labels[known]),
+            "zero_variance_brier_constant": _brier(np.full(int(known.sum()), labels[known].mean()), labels[known])
+            if known.any() else math.nan,
+            "filter_ratio": decision_metrics["depo/filter_ratio"],
             "filter_precision": precision_recall["depo/filter_precision"],
             "filter_recall": precision_recall["depo/filter_recall"],
-            "group_size": group_size,
-            "threshold": threshold,
+            "group_size": self.group_size,
+            "operating_point": {"filter_ratio": filter_ratio, "threshold": threshold},
             "bins": reliability_bins(predicted, observed, num_bins=num_bins),
         }
+
+
+def _brier(predicted: np.ndarray, observed: np.ndarray) -> float:
+    return float(np.mean((predicted - observed) ** 2)) if observed.size else math.nan

@@ -3,7 +3,7 @@
 Three registries, each entry chosen once by name from ``AlgorithmConfig``:
 
 ``PROMPT_FILTERS``  before rollout: ``none`` or ``depo`` (the DEPO estimator drops prompts
-                    whose G rollouts would likely all get the same reward).
+                    whose G rollouts would likely all get the same reward, up to a filter ratio).
 ``BUDGETS``         samples per prompt: ``uniform`` (G each), ``e3`` (E3 Algorithm 1 from
                     difficulty ranks, G_min/G_max widening per pass) or ``ada_est``
                     (Reinforce-Ada-Est, N ∝ 1/√p̂ from the EMA/Beta pass rates).
@@ -16,7 +16,7 @@ Every entry is a ``Method`` (``pipeline/rl/registry.py``): built from its config
 the run's ``MethodSetting``, with these calls —
 
 * filter: ``num_candidates(B)``; ``__call__(candidates, batch_size=, step=) -> (SelectedPrompts, metrics)``;
-  ``update(end)`` trains DEPO's estimator on the step's observed pass rates;
+  ``update(end)`` trains DEPO's estimator on the step's observations (and replays older ones);
 * budget: ``__call__(indices) -> (budgets (P,), metrics)``; ``update(end)`` re-ranks (E3) after a pass;
 * sampler: ``__call__(indices, budgets, generate=, draw=, seed=) -> Sampled``.
 
@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
-from pipeline.algorithms.depo import depo_filter, observed_zero_variance, zero_variance_log_prob
+from pipeline.algorithms.depo import depo_drop_decision, observed_zero_variance, zero_variance_targets
 from pipeline.algorithms.e3 import difficulty_ranks, e3_budget_bounds, e3_rollout_budgets
 from pipeline.algorithms.reinforce_ada import ada_est_budgets, balanced_downsample, exit_condition
-from pipeline.config import AlgorithmConfig
+from pipeline.config import DEPO_ONLINE_LR, AlgorithmConfig
+from pipeline.errors import CheckpointError
 from pipeline.rl.registry import Method, MethodSetting, Metrics, Registry, StepEnd, float_metrics
 from pipeline.rl.rollouts import RolloutBatch
 from pipeline.stats.store import PromptStatsStore
@@ -99,18 +100,36 @@ class NoFilter(Method):
 
 @PROMPT_FILTERS.register("depo")
 class DepoFilter(Method):
-    """DEPO (§3): predict each candidate's pass rate from its text, drop likely zero-variance prompts.
+    """DEPO (§3, Figure 2): predict each candidate's P(all G rewards equal) from its text; drop the likely ones.
 
-    After ``warmup_steps`` a candidate is dropped when p̂^G + (1 − p̂)^G > threshold
-    (``depo_filter``). Every step the estimator is trained on the prompts that were rolled
-    out — observed avg@k, the actor's question perplexity (L_distill) and the ranking loss —
-    "updated online with the actor" (§3.2). Prompts it drops are never rolled out, so it
-    learns only from prompts it let through (plus everything during warm-up); we record
-    its precision on the warm-up steps, where the truth is observed for every candidate.
+    The estimator is ``pipeline.estimator.online.OnlineEstimator``: warm-started from
+    ``depo.estimator_dir`` when given, trained after every step on a replay buffer of every
+    observed prompt (``depo.minibatches`` × ``depo.minibatch_size``), its zero-variance head
+    Platt-calibrated on its own pre-rollout predictions. The drop rule is
+    ``depo_drop_decision`` at the operating point (``depo.filter_ratio``, ``depo.threshold``).
+
+    Warm-up (§3.2): for the first ``depo.warmup_steps`` nothing is dropped; the rule is still
+    evaluated, and since every rolled-out candidate's outcome is then observed, its precision
+    and recall are measured. After warm-up a dropped prompt is never rolled out, so a seeded
+    ``depo.audit_fraction`` of the would-be-dropped candidates is rolled out anyway (counted as
+    kept, not filtered); they keep ``depo/precision`` measured, and ``depo/recall`` is estimated
+    from them and the kept prompts (see ``_drop_quality``). Audits cost rollouts: at the
+    defaults (2B candidates, at most half of them would-drop, 5% of those audited) an audited
+    prompt takes about one batch slot in twenty.
+
+    Each step's decisions (candidates, Ẑ, p̂, would-drop, rolled) wait in ``pending`` until
+    that step's ``update``: with one-step-off-policy batches the filter of step t+1 runs before
+    the update of step t, and a checkpoint between them keeps both.
     """
+
+    # A step needs groups to compare: when the filter would leave fewer prompts, the least
+    # likely zero-variance candidates are rolled out anyway (and counted as not filtered).
+    MIN_PROMPTS = 2
+    _PENDING_PREFIX = "pending."
 
     def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
         from pipeline.estimator import DifficultyEstimator, EstimatorTrainer
+        from pipeline.estimator.online import OnlineEstimator
 
         depo = cfg.depo
         # Seeded apart from the global RNG: every rank builds the same estimator, and
@@ -123,12 +142,24 @@ class DepoFilter(Method):
                 model = DifficultyEstimator.from_pretrained_minilm(depo.cache_dir)
             else:
                 model = DifficultyEstimator.tiny()
-        self.trainer = EstimatorTrainer(model, lr=depo.lr, w_distill=depo.w_distill, w_rank=depo.w_rank,
-                                        margin=depo.margin)
+        lr = depo.lr if depo.lr is not None else DEPO_ONLINE_LR[model.kind]
+        # The event predicted, labelled and dropped on: all of G samples equal, G the update group
+        # or (zero_variance_samples) the pool a sampler such as Ada-Seq draws before giving up.
+        self.group_size = depo.zero_variance_samples or setting.group_size
+        trainer = EstimatorTrainer(model, group_size=self.group_size, lr=lr, w_distill=depo.w_distill,
+                                   w_rank=depo.w_rank, margin=depo.margin, w_zero_variance=depo.w_zero_variance)
+        self.online = OnlineEstimator(trainer, setting.texts, replay_size=depo.replay_size,
+                                      minibatches=depo.minibatches, minibatch_size=depo.minibatch_size,
+                                      calibration_window=depo.calibration_window, seed=setting.seed)
         self.cfg = depo
-        self.texts = setting.texts
         self.stats = setting.stats
-        self.group_size = setting.group_size
+        self.seed = setting.seed
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+
+    @property
+    def trainer(self) -> Any:
+        """The ``EstimatorTrainer`` (its model is what the step's FLOP count charges the estimator for)."""
+        return self.online.trainer
 
     def num_candidates(self, batch_size: int) -> int:
         return math.ceil(batch_size * self.cfg.oversample)
@@ -137,60 +168,144 @@ class DepoFilter(Method):
     def needs_question_logprobs(self) -> bool:
         return self.cfg.w_distill > 0
 
-    # A step needs groups to compare: when the filter would leave fewer prompts, the least
-    # likely zero-variance candidates are rolled out anyway (and counted as not filtered).
-    MIN_PROMPTS = 2
-
     def __call__(self, candidates: torch.Tensor, *, batch_size: int, step: int) -> tuple[SelectedPrompts, Metrics]:
-        group_size = self.group_size
-        self.trainer.model.eval()
-        with torch.no_grad():
-            predicted = self.trainer.model.predict_pass_rate([self.texts[i] for i in candidates.tolist()])  # (C,)
-        predicted = predicted.double().clamp(0.0, 1.0)
-        keep_mask, metrics = depo_filter(pass_rate=predicted, group_size=group_size, threshold=self.cfg.threshold,
-                                         step=step, warmup_steps=self.cfg.warmup_steps)
+        prediction = self.online.predict(candidates)  # (C,) each
+        would_drop, decision_metrics = depo_drop_decision(zero_variance_prob=prediction.zero_variance_prob,
+                                                          filter_ratio=self.cfg.filter_ratio,
+                                                          threshold=self.cfg.threshold)
+        active = step >= self.cfg.warmup_steps
+        audited = torch.zeros_like(would_drop)
+        if active and self.cfg.audit_fraction > 0:
+            # Even seeds audit, odd ones draw the estimator's replay minibatches (OnlineEstimator).
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 2)
+            draws = torch.rand(candidates.numel(), generator=generator, dtype=torch.float64)  # (C,)
+            audited = would_drop & (draws < self.cfg.audit_fraction)
+        drop = would_drop & ~audited if active else torch.zeros_like(would_drop)
         minimum = min(self.MIN_PROMPTS, candidates.numel())
-        if int(keep_mask.sum()) < minimum:
-            zero_variance = zero_variance_log_prob(group_size=group_size, pass_rate=predicted)  # (C,)
-            keep_mask[torch.argsort(zero_variance, stable=True)[:minimum]] = True
+        shortfall = minimum - int((~drop).sum())
+        if shortfall > 0:
+            least_likely = torch.argsort(prediction.zero_variance_prob, stable=True)  # (C,) ascending
+            drop[least_likely[drop[least_likely]][:shortfall]] = False
+        kept = (~drop).nonzero().squeeze(1)[:batch_size]  # (P,)
+        rolled = torch.zeros_like(drop)
+        rolled[kept] = True
         unique, inverse = candidates.unique(return_inverse=True)
         self.stats.set_column("estimator_prediction", prompt_ids=unique,
-                              values=torch.zeros(unique.numel(), dtype=torch.float64).scatter_(0, inverse, predicted))
-        kept = keep_mask.nonzero().squeeze(1)[:batch_size]  # (P,)
-        metrics = {**float_metrics(metrics), "depo/filter_ratio": float((~keep_mask).double().mean())}
-        return SelectedPrompts(candidates[kept], predicted[kept], candidates[~keep_mask]), metrics
+                              values=torch.zeros(unique.numel(), dtype=torch.float64).scatter_(
+                                  0, inverse, prediction.pass_rate))
+        self.pending[step] = {"candidates": candidates.clone(), "pass_rate": prediction.pass_rate,
+                              "zero_variance_logit": prediction.zero_variance_logit, "would_drop": would_drop,
+                              "rolled": rolled}
+        num_candidates = max(candidates.numel(), 1)
+        metrics = {
+            "depo/filter_active": float(active),
+            "depo/filter_ratio": float(drop.sum()) / num_candidates,
+            "depo/would_drop_ratio": decision_metrics["depo/filter_ratio"],
+            "depo/above_threshold_fraction": decision_metrics["depo/above_threshold_fraction"],
+            "depo/zero_variance_prob_mean": decision_metrics["depo/zero_variance_prob_mean"],
+            "depo/audited": float((audited & rolled).sum()),
+        }
+        return SelectedPrompts(candidates[kept], prediction.pass_rate[kept], candidates[drop]), metrics
 
     def update(self, end: StepEnd) -> Metrics:
-        rollouts, question_logprobs, selected = end.pool, end.question_logprobs, end.selected
+        rollouts = end.pool
+        record = self.pending.pop(end.step, None)
+        for stale in [step for step in self.pending if step < end.step]:
+            del self.pending[stale]
         num_samples = rollouts.num_samples_per_prompt()  # (P,)
         rolled = num_samples > 0
-        if int(rolled.sum()) < 2:  # the ranking loss needs pairs; one prompt teaches too little
+        if not bool(rolled.any()):
             return self._encoded_tokens()
-        pass_rates = (rollouts.num_correct_per_prompt().double() / num_samples.clamp(min=1))[rolled]  # (P',)
-        texts = [self.texts[i] for i in rollouts.prompt_indices[rolled].tolist()]
-        logprobs = None if question_logprobs is None else question_logprobs[rolled]
-        metrics = self.trainer.update(texts, pass_rates.float(), logprobs)
-        if selected.predicted_pass_rate is not None:
-            zero_variance = observed_zero_variance(rewards=rollouts.rewards, group_ids=rollouts.group_ids,
-                                                   num_groups=rollouts.num_prompts)[rolled]
-            predicted = selected.predicted_pass_rate[rolled].double()
-            metrics["depo/observed_zero_variance_fraction"] = float(zero_variance.double().mean())
-            metrics["depo/prediction_mae"] = float((predicted - pass_rates).abs().mean())
+        pass_rates = rollouts.num_correct_per_prompt().double() / num_samples.clamp(min=1)  # (P,)
+        targets = zero_variance_targets(rewards=rollouts.rewards, group_ids=rollouts.group_ids,
+                                        group_size=self.group_size, num_groups=rollouts.num_prompts)  # (P,)
+        indices = rollouts.prompt_indices
+        question_logprobs = (torch.full((rollouts.num_prompts,), math.nan, dtype=torch.float64)
+                             if end.question_logprobs is None else end.question_logprobs.double())
+        predicted_logits = torch.full((rollouts.num_prompts,), math.nan, dtype=torch.float64)  # (P,)
+        if record is not None:
+            logit_of = dict(zip(record["candidates"].tolist(), record["zero_variance_logit"].tolist()))
+            predicted_logits = torch.tensor([logit_of.get(i, math.nan) for i in indices.tolist()], dtype=torch.float64)
+        metrics = self.online.learn(step=end.step, prompt_indices=indices[rolled], pass_rates=pass_rates[rolled],
+                                    zero_variance_targets=targets[rolled], question_logprobs=question_logprobs[rolled],
+                                    predicted_zero_variance_logits=predicted_logits[rolled])
+        zero_variance = observed_zero_variance(rewards=rollouts.rewards, group_ids=rollouts.group_ids,
+                                               num_groups=rollouts.num_prompts)[rolled]
+        metrics["depo/observed_zero_variance_fraction"] = float(zero_variance.double().mean())
+        if record is not None:
+            metrics.update(self._drop_quality(record, indices=indices[rolled], pass_rates=pass_rates[rolled],
+                                              targets=targets[rolled]))
         return {**metrics, **self._encoded_tokens()}
+
+    @staticmethod
+    def _drop_quality(record: dict[str, torch.Tensor], *, indices: torch.Tensor, pass_rates: torch.Tensor,
+                      targets: torch.Tensor) -> Metrics:
+        """Precision and recall of the step's drop rule, from the candidates that were rolled out.
+
+        The candidates fall in two classes, would-drop (D) and keep (K). Each class's
+        zero-variance rate is the mean observed label of its rolled-out members: in warm-up
+        the first B candidates in stream order, after it the audited part of D and the first
+        kept part of K; both are unbiased samples of their class. Then precision = rate_D and
+        recall = |D|·rate_D / (|D|·rate_D + |K|·rate_K), reported only where the classes they
+        need have a rolled-out member (``depo/precision_support`` counts D's). Labels are
+        ``zero_variance_targets`` (exactly the all-equal event for a group of G).
+        """
+        target_of: dict[int, float] = {}
+        pass_rate_of: dict[int, float] = {}
+        for index, target, pass_rate in zip(indices.tolist(), targets.tolist(), pass_rates.tolist()):
+            pass_rate_of.setdefault(index, pass_rate)
+            if not math.isnan(target):
+                target_of.setdefault(index, target)
+        candidates, rolled, would_drop = record["candidates"].tolist(), record["rolled"], record["would_drop"]
+        labels = torch.tensor([target_of.get(index, math.nan) if was_rolled else math.nan
+                               for index, was_rolled in zip(candidates, rolled.tolist())], dtype=torch.float64)
+        known = ~torch.isnan(labels)  # (C,)
+        metrics: Metrics = {"depo/precision_support": float((would_drop & known).sum())}
+        rates: dict[bool, float | None] = {}
+        for dropped in (True, False):
+            members = (would_drop == dropped) & known
+            rates[dropped] = float(labels[members].mean()) if bool(members.any()) else None
+        num_drop = int(would_drop.sum())
+        num_keep = would_drop.numel() - num_drop
+        if rates[True] is not None:
+            metrics["depo/precision"] = rates[True]
+        if (num_drop == 0 or rates[True] is not None) and (num_keep == 0 or rates[False] is not None):
+            true_positive = num_drop * (rates[True] or 0.0)
+            false_negative = num_keep * (rates[False] or 0.0)
+            if true_positive + false_negative > 0:
+                metrics["depo/recall"] = true_positive / (true_positive + false_negative)
+        scored = [(float(record["pass_rate"][k]), pass_rate_of[index]) for k, index in enumerate(candidates)
+                  if bool(rolled[k]) and index in pass_rate_of]
+        if scored:
+            metrics["depo/prediction_mae"] = sum(abs(p - q) for p, q in scored) / len(scored)
+        return metrics
 
     def _encoded_tokens(self) -> Metrics:
         """The tokens the estimator has read in this run, scoring and training (cumulative: the campaign ledger's)."""
         return {"depo/encoded_tokens": float(sum(self.trainer.model.num_encoded_tokens.values()))}
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.trainer.state_dict()  # {"json": ..., "tensors": ...}
-        return {**state, "json": {**state["json"], "num_encoded_tokens": dict(self.trainer.model.num_encoded_tokens)}}
+        state = self.online.state_dict()
+        tensors = dict(state["tensors"])
+        for step, record in self.pending.items():
+            tensors.update({f"{self._PENDING_PREFIX}{step}.{name}": tensor.clone() for name, tensor in record.items()})
+        return {"tensors": tensors, "json": {**state["json"], "pending_steps": sorted(self.pending)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        trainer_json = dict(state["json"])
-        counts = trainer_json.pop("num_encoded_tokens")
-        self.trainer.load_state_dict({**state, "json": trainer_json})
-        self.trainer.model.num_encoded_tokens = {kind: int(n) for kind, n in counts.items()}
+        meta = dict(state["json"])
+        if "replay" not in meta:
+            raise CheckpointError("the checkpoint's DEPO filter state predates its replay buffer and calibration; "
+                                  "resume it with the winnow version that wrote it, or start a new run")
+        steps = meta.pop("pending_steps")
+        pending_tensors = {name: tensor for name, tensor in state["tensors"].items()
+                           if name.startswith(self._PENDING_PREFIX)}
+        self.pending = {}
+        for step in steps:
+            prefix = f"{self._PENDING_PREFIX}{step}."
+            self.pending[int(step)] = {name.removeprefix(prefix): tensor.clone()
+                                       for name, tensor in pending_tensors.items() if name.startswith(prefix)}
+        self.online.load_state_dict({"tensors": {name: tensor for name, tensor in state["tensors"].items()
+                                                 if not name.startswith(self._PENDING_PREFIX)}, "json": meta})
 
 
 # ---------------------------------------------------------------------------- budgets

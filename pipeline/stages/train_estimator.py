@@ -10,14 +10,19 @@ Inputs: ``curation_dir`` (``load_curation`` for n, c; the shards for the problem
 policy's mean question log-probs, whose exp is the L_distill target of §3.1.2).
 Every sampled prompt is used, including those the curation rules dropped as trivial or
 impossible: those are exactly the zero-variance prompts the filter must learn to spot.
+The zero-variance head learns P(all G rewards equal) at ``group_size`` (the RL run's G; null:
+the curation's k) from each prompt's counts (``zero_variance_targets_from_counts``: the share
+of G-subsets of its k samples that are all equal); G above k cannot be observed and is refused.
 The held-out split hashes each prompt id (not the seed), so runs with other seeds or
-settings are evaluated on the same prompts.
+settings are evaluated on the same prompts. `winnow rl` warm-starts from ``estimator/``
+(``algorithm.depo.estimator_dir``) and keeps training it online.
 
 Outputs under ``output_dir``:
 
     estimator/         model.safetensors, estimator.json, tokenizer files (``DifficultyEstimator.load``)
-    calibration.json   held-out and train calibration (Brier, Spearman, filter precision/recall,
-                       reliability bins), per-epoch history, split sizes, config, package versions,
+    calibration.json   held-out and train calibration (Brier, Spearman, zero-variance Brier of the head
+                       and of the point estimate p̂^G + (1 − p̂)^G, the drop rule's ratio, precision and
+                       recall, reliability bins), per-epoch history, split sizes, config, package versions,
                        timings, tokens read (``num_encoded_tokens``: train, inference) — the
                        stage's manifest, written last: a rerun with the same config finds it
                        and returns without retraining
@@ -31,6 +36,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +61,21 @@ def holdout_mask(prompt_ids: list[str], *, fraction: float) -> np.ndarray:
     return hashes.astype(np.float64) / 2.0**64 < fraction
 
 
-def load_training_set(curation_dir: str | Path) -> tuple[list[str], list[str], np.ndarray, np.ndarray, int]:
-    """Every sampled prompt of a curation: ids, problem texts, observed pass rates ``(P,)``, the
-    policy's mean question log-probs ``(P,)`` (DEPO's distillation target), and k."""
+@dataclass(frozen=True, slots=True)
+class TrainingSet:
+    """Every sampled prompt of a curation, ``(P,)`` arrays in one order."""
+
+    ids: list[str]
+    texts: list[str]
+    pass_rates: np.ndarray  # float64 c/n
+    question_logprobs: np.ndarray  # float64: the policy's mean question log-prob (DEPO's distillation target)
+    num_samples: np.ndarray  # int64 n
+    num_correct: np.ndarray  # int64 c
+    samples_per_prompt: int  # the curation's k
+
+
+def load_training_set(curation_dir: str | Path) -> TrainingSet:
+    """Every sampled prompt of a curation, with its problem text, counts and question log-prob."""
     import pyarrow.parquet as pq
 
     from pipeline.stats.curation import SHARDS_DIR, CurationError, load_curation
@@ -77,8 +95,9 @@ def load_training_set(curation_dir: str | Path) -> tuple[list[str], list[str], n
         raise CurationError(f"{curation_dir}: {len(missing)} sampled prompt(s) have no shard row "
                             f"(first {missing[0]!r}); the curation is incomplete")
     question_logprobs = np.array([logprob_of[pid] for pid in ids], dtype=np.float64)
-    return ids, [problem_of[pid] for pid in ids], curation.pass_rates[sampled], question_logprobs, \
-        curation.samples_per_prompt
+    return TrainingSet(ids=ids, texts=[problem_of[pid] for pid in ids], pass_rates=curation.pass_rates[sampled],
+                       question_logprobs=question_logprobs, num_samples=curation.num_samples[sampled],
+                       num_correct=curation.num_correct[sampled], samples_per_prompt=curation.samples_per_prompt)
 
 
 def build_estimator(cfg: TrainEstimatorConfig):
@@ -94,6 +113,7 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
     import torch
     from tqdm.auto import tqdm
 
+    from pipeline.algorithms.depo import zero_variance_targets_from_counts
     from pipeline.estimator.train import EstimatorTrainer
 
     if cfg.curation_dir is None:
@@ -109,25 +129,34 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
             out(f"already trained with this config: {output_dir} (delete {finished.name} to retrain)")
             return previous
 
-    ids, texts, pass_rates, question_logprobs, samples_per_prompt = load_training_set(cfg.curation_dir)
+    data = load_training_set(cfg.curation_dir)
+    ids, texts, pass_rates, question_logprobs = data.ids, data.texts, data.pass_rates, data.question_logprobs
+    group_size = cfg.group_size if cfg.group_size is not None else data.samples_per_prompt
+    if group_size > int(data.num_samples.min()):
+        raise ConfigError(f"group_size: {group_size} exceeds the {int(data.num_samples.min())} samples the curation "
+                          "graded for some prompts; whether G rewards are all equal cannot be observed from fewer")
+    zero_variance = zero_variance_targets_from_counts(num_samples=torch.from_numpy(data.num_samples),
+                                                      num_correct=torch.from_numpy(data.num_correct),
+                                                      group_size=group_size).numpy()  # (P,)
     held_out = holdout_mask(ids, fraction=cfg.holdout_fraction)  # (P,)
     train_index, holdout_index = np.flatnonzero(~held_out), np.flatnonzero(held_out)
     if train_index.size < 2 or holdout_index.size < 2:
         raise ConfigError(f"holdout_fraction: {len(ids)} sampled prompts split into {train_index.size} train and "
                           f"{holdout_index.size} held out; each side needs at least 2")
-    group_size = cfg.group_size if cfg.group_size is not None else samples_per_prompt
     out(f"[1/3] {len(ids):,} sampled prompts from {cfg.curation_dir}: {train_index.size:,} train, "
         f"{holdout_index.size:,} held out")
 
     torch.manual_seed(cfg.seed)
     model = build_estimator(cfg)
-    trainer = EstimatorTrainer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, w_distill=cfg.w_distill,
-                               w_rank=cfg.w_rank, margin=cfg.margin)
+    trainer = EstimatorTrainer(model, group_size=group_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                               w_distill=cfg.w_distill, w_rank=cfg.w_rank, margin=cfg.margin,
+                               w_zero_variance=cfg.w_zero_variance)
     out(f"[2/3] train the {cfg.encoder} estimator: {cfg.epochs} epoch(s), batch {cfg.batch_size}, lr {cfg.lr}")
     holdout_texts = [texts[i] for i in holdout_index]
 
     def evaluate(index: np.ndarray, eval_texts: list[str]) -> dict[str, Any]:
-        return trainer.calibration(eval_texts, pass_rates[index], group_size=group_size,
+        return trainer.calibration(eval_texts, pass_rates[index], zero_variance_targets=zero_variance[index],
+                                   filter_ratio=cfg.filter_ratio,
                                    threshold=cfg.filter_threshold, batch_size=max(cfg.batch_size, 64))
 
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -140,13 +169,15 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
         for batch in tqdm(batches, desc=f"estimator epoch {epoch + 1}", unit="batch", disable=not cfg.progress,
                           leave=False):
             metrics = trainer.update([texts[i] for i in batch], torch.from_numpy(pass_rates[batch]).float(),
-                                     torch.from_numpy(question_logprobs[batch]))
+                                     torch.from_numpy(question_logprobs[batch]),
+                                     torch.from_numpy(zero_variance[batch]))
             losses.append(metrics["depo/loss"])
         held = evaluate(holdout_index, holdout_texts)
         history.append({"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "holdout_brier": held["brier"],
-                        "holdout_spearman": held["spearman"]})
+                        "holdout_spearman": held["spearman"],
+                        "holdout_zero_variance_brier": held["zero_variance_brier"]})
         out(f"      epoch {epoch + 1}: loss {np.mean(losses):.4f}, held-out Brier {held['brier']:.4f}, "
-            f"Spearman {held['spearman']:.3f}")
+            f"Spearman {held['spearman']:.3f}, zero-variance Brier {_fmt(held['zero_variance_brier'])}")
     train_seconds = time.perf_counter() - train_phase
 
     out("[3/3] calibrate and write the outputs")
@@ -156,7 +187,7 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
     report = {
         "curation_dir": str(cfg.curation_dir),
         "num_prompts": {"train": int(train_index.size), "holdout": int(holdout_index.size)},
-        "samples_per_prompt": samples_per_prompt,
+        "samples_per_prompt": data.samples_per_prompt,
         "holdout": holdout,
         "train": train,
         "history": history,
@@ -172,7 +203,9 @@ def run_train_estimator(cfg: TrainEstimatorConfig, *, out: Callable[[str], Any] 
     _plot_reliability(output_dir / PLOT_FILE, holdout=holdout, train=train)
     out(f"held-out ({holdout['num_prompts']:,} prompts): Brier {holdout['brier']:.4f} "
         f"(constant {holdout['brier_constant']:.4f}), Spearman {holdout['spearman']:.3f}, "
-        f"filter (G={group_size}, τ={cfg.filter_threshold}) precision {_fmt(holdout['filter_precision'])}, "
+        f"zero-variance Brier {_fmt(holdout['zero_variance_brier'])} (point estimate "
+        f"{_fmt(holdout['zero_variance_brier_point_estimate'])}); drops (G={group_size}, ≤ {cfg.filter_ratio:.0%} "
+        f"above {cfg.filter_threshold}) precision {_fmt(holdout['filter_precision'])}, "
         f"recall {_fmt(holdout['filter_recall'])}, filter ratio {holdout['filter_ratio']:.3f}")
     return report
 

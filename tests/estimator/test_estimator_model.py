@@ -61,8 +61,13 @@ def test_predict_pass_rate_is_batched_sigmoid_without_grad_and_keeps_mode():
     torch.testing.assert_close(full, torch.sigmoid(model.predict_logits(texts)))
     assert bool(((full > 0) & (full < 1)).all())
     assert model.training, "prediction must restore training mode"
-    reward_logits, perplexity_logits = model.score(texts[:2])
-    assert reward_logits.shape == perplexity_logits.shape == (2,) and reward_logits.requires_grad
+    reward_logits, perplexity_logits, zero_variance_logits = model.score(texts[:2])
+    assert reward_logits.shape == perplexity_logits.shape == zero_variance_logits.shape == (2,)
+    assert reward_logits.requires_grad and zero_variance_logits.requires_grad
+    heads = model.predict_heads(texts, batch_size=3)
+    torch.testing.assert_close(heads[0], model.predict_logits(texts), rtol=1e-5, atol=1e-6)
+    model.eval()  # the same forward without dropout
+    torch.testing.assert_close(heads[1][:2], model.score(texts[:2])[2].detach(), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="no texts"):
         model.score([])
 
@@ -79,6 +84,7 @@ def test_save_load_round_trip_is_exact_and_uses_safetensors(tmp_path):
     model = _tiny()
     with torch.no_grad():
         model.reward_head.bias.add_(0.37)  # not the init: the file must carry the trained values
+        model.zero_variance_head.bias.add_(-0.5)
     saved = model.save(tmp_path / "estimator")
     assert sorted(p.name for p in saved.iterdir()) == ["estimator.json", "model.safetensors"]
     loaded = DifficultyEstimator.load(saved)
@@ -87,7 +93,8 @@ def test_save_load_round_trip_is_exact_and_uses_safetensors(tmp_path):
     for name in original:
         assert torch.equal(original[name], restored[name]), name
     texts = ["what is 7*6?", "prove it"]
-    assert torch.equal(loaded.predict_logits(texts), model.predict_logits(texts))
+    for got, expected in zip(loaded.predict_heads(texts), model.predict_heads(texts)):
+        assert torch.equal(got, expected)
     # Saving again replaces the folder and leaves no staging folder behind.
     model.save(saved)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["estimator"]
@@ -101,6 +108,23 @@ def test_load_refuses_missing_or_foreign_folders(tmp_path):
     (saved / "estimator.json").write_text(json.dumps({**described, "format": 99}))
     with pytest.raises(CheckpointError, match="format 99"):
         DifficultyEstimator.load(saved)
+
+
+def test_a_format_1_estimator_loads_with_an_untrained_zero_variance_head(tmp_path):
+    """Estimators written before the zero-variance head (two heads, format 1) still warm-start a run."""
+    from safetensors.torch import load_file, save_file
+
+    model = _tiny()
+    saved = model.save(tmp_path / "old")
+    weights = {name: tensor for name, tensor in load_file(str(saved / "model.safetensors")).items()
+               if not name.startswith("zero_variance_head.")}
+    save_file(weights, str(saved / "model.safetensors"))
+    described = json.loads((saved / "estimator.json").read_text())
+    (saved / "estimator.json").write_text(json.dumps({**described, "format": 1}))
+    loaded = DifficultyEstimator.load(saved)
+    texts = ["what is 7*6?", "prove it"]
+    assert torch.equal(loaded.predict_logits(texts), model.predict_logits(texts))
+    assert loaded.predict_heads(texts)[1].tolist() == [0.0, 0.0]  # P(all G equal) = 1/2 until trained
 
 
 # ================================================================ MiniLM
@@ -144,7 +168,8 @@ def test_minilm_estimator_loads_predicts_and_round_trips(tmp_path):
     predicted = model.predict_pass_rate(texts)
     assert predicted.shape == (2,) and bool(((predicted > 0) & (predicted < 1)).all())
     loaded = DifficultyEstimator.load(model.save(tmp_path / "saved"))
-    assert torch.equal(loaded.predict_logits(texts), model.predict_logits(texts))
+    for got, expected in zip(loaded.predict_heads(texts), model.predict_heads(texts)):
+        assert torch.equal(got, expected)
 
 
 # ================================================================ router (DEPO §5)

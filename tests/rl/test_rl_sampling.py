@@ -214,28 +214,31 @@ def test_ada_est_budget_follows_the_ema_pass_rate_and_uses_curation_as_a_prior()
 
 def test_depo_filter_keeps_everything_in_warmup_then_drops_confident_zero_variance_prompts():
     cfg = AlgorithmConfig(prompt_filter="depo")
-    cfg.depo.warmup_steps, cfg.depo.threshold = 1, 0.5
+    cfg.depo.warmup_steps, cfg.depo.audit_fraction = 1, 0.0
     texts = [f"What is {i} + {i}?" for i in range(6)]
     stats = _store(6)
     depo = DepoFilter(cfg, _setting(group_size=4, texts=texts, stats=stats))
     selected, metrics = depo(torch.arange(6), batch_size=6, step=0)
     assert selected.indices.tolist() == list(range(6)) and selected.dropped.numel() == 0
-    assert metrics["depo/filter_active"] == 0.0
+    assert metrics["depo/filter_active"] == 0.0 and metrics["depo/filter_ratio"] == 0.0
     assert not torch.isnan(stats.column("estimator_prediction")).any()
-    # Force confident predictions: p̂ ≈ 1 for even prompts (always solved: zero variance), 0.5 for odd.
-    depo.trainer.model.predict_pass_rate = lambda batch: torch.tensor(
-        [0.999 if int(t.split()[2]) % 2 == 0 else 0.5 for t in batch])
+    # Force confident predictions: p̂ ≈ 1 for even prompts (P(4 equal) = 0.996), 0.5 for odd ones (2/16);
+    # the zero-variance residual is 0, so P is the point estimate.
+    depo.trainer.model.predict_heads = lambda batch: (torch.logit(torch.tensor(
+        [0.999 if int(t.split()[2]) % 2 == 0 else 0.5 for t in batch])), torch.zeros(len(batch)))
+    selected, metrics = depo(torch.arange(6), batch_size=6, step=0)  # still warm-up: the rule runs, drops nothing
+    assert selected.dropped.numel() == 0 and metrics["depo/would_drop_ratio"] == 0.5
     selected, metrics = depo(torch.arange(6), batch_size=6, step=1)
     assert selected.indices.tolist() == [1, 3, 5]
     assert selected.dropped.tolist() == [0, 2, 4]
-    assert metrics["depo/filter_ratio"] == 0.5
+    assert metrics["depo/filter_ratio"] == 0.5 and metrics["depo/filter_active"] == 1.0
 
 
 def test_depo_filter_never_leaves_fewer_than_two_prompts():
     cfg = AlgorithmConfig(prompt_filter="depo")
-    cfg.depo.warmup_steps, cfg.depo.threshold = 0, 0.01
+    cfg.depo.warmup_steps, cfg.depo.threshold, cfg.depo.filter_ratio, cfg.depo.audit_fraction = 0, 0.01, 1.0, 0.0
     depo = DepoFilter(cfg, _setting(group_size=8, texts=["a", "bb", "ccc"], stats=_store(3)))
-    depo.trainer.model.predict_pass_rate = lambda batch: torch.tensor([0.99, 0.9, 0.999])
+    depo.trainer.model.predict_heads = lambda batch: (torch.logit(torch.tensor([0.99, 0.9, 0.999])), torch.zeros(3))
     selected, _ = depo(torch.arange(3), batch_size=3, step=5)
     assert sorted(selected.indices.tolist()) == [0, 1]  # the two least likely to be all-equal
 
@@ -250,7 +253,9 @@ def test_depo_filter_learns_online_and_round_trips_its_state():
     selected, _ = first.prompt_filter(torch.arange(3), batch_size=3, step=0)
     metrics = first.prompt_filter.update(_end(rollouts, selected=selected,
                                               question_logprobs=torch.tensor([-1.0, -2.0, -1.5])))
-    assert metrics["estimator/num_updates"] == 1.0 and "depo/loss_distill" in metrics
+    # One AdamW step per replay minibatch; the step's three observations are in the buffer.
+    assert metrics["estimator/num_updates"] == float(cfg.depo.minibatches) and "depo/loss_distill" in metrics
+    assert metrics["depo/replay_entries"] == 3.0
     # The estimator counts what it read (3 prompts scored, 3 trained on), and a resumed run keeps counting.
     encoded = first.prompt_filter.trainer.model.num_encoded_tokens
     assert encoded["inference"] > 0 and encoded["train"] > 0

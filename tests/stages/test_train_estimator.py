@@ -73,9 +73,11 @@ def _write_curation(directory, *, num_prompts: int, k: int = 8) -> list[str]:
 
 def test_stage_end_to_end_on_a_fake_curation(tmp_path):
     sampled_ids = _write_curation(tmp_path / "curate", num_prompts=160)
-    ids, texts, pass_rates, question_logprobs, k = load_training_set(tmp_path / "curate")
-    assert ids == sampled_ids and k == 8 and len(texts) == 144 and pass_rates.min() >= 0.0
-    assert question_logprobs.shape == (144,) and question_logprobs.max() <= -1.0
+    data = load_training_set(tmp_path / "curate")
+    ids, texts, pass_rates = data.ids, data.texts, data.pass_rates
+    assert ids == sampled_ids and data.samples_per_prompt == 8 and len(texts) == 144 and pass_rates.min() >= 0.0
+    assert data.question_logprobs.shape == (144,) and data.question_logprobs.max() <= -1.0
+    assert (data.num_samples == 8).all() and np.array_equal(data.num_correct, np.rint(pass_rates * 8))
     cfg = configlib.load(TrainEstimatorConfig, overrides=[
         f"curation_dir={tmp_path / 'curate'}", "encoder=tiny", "max_length=24", "epochs=3", "batch_size=16",
         "lr=0.003", "holdout_fraction=0.25", f"output_dir={tmp_path / 'out'}", "progress=false"])
@@ -90,6 +92,13 @@ def test_stage_end_to_end_on_a_fake_curation(tmp_path):
     assert report["num_prompts"] == {"train": 144 - expected_holdout, "holdout": expected_holdout}
     assert report["holdout"]["spearman"] > 0.5, report["holdout"]
     assert report["holdout"]["group_size"] == 8  # null group_size: the curation's k
+    # The zero-variance head is scored against the all-equal labels of the k = 8 samples, beside the point
+    # estimate it corrects; the drop rule reports its operating point and precision.
+    holdout = report["holdout"]
+    assert holdout["num_zero_variance_labels"] == holdout["num_prompts"]
+    assert holdout["zero_variance_brier"] < holdout["zero_variance_brier_constant"], holdout
+    assert holdout["operating_point"] == {"filter_ratio": 0.5, "threshold": 0.5}
+    assert "zero_variance_brier_point_estimate" in holdout and "zero-variance Brier" in lines[-1]
     assert len(report["history"]) == 3 and report["num_updates"] == 3 * math.ceil((144 - expected_holdout) / 16)
     assert (out / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     loaded = DifficultyEstimator.load(out / "estimator")
@@ -98,7 +107,7 @@ def test_stage_end_to_end_on_a_fake_curation(tmp_path):
     held_rates = pass_rates[holdout_mask(ids, fraction=0.25)]
     assert np.mean((predicted - held_rates) ** 2) == pytest.approx(report["holdout"]["brier"], rel=1e-5)
     assert "torch" in report["versions"]
-    assert all(row["train_loss"] > 0 for row in report["history"])
+    assert all(row["train_loss"] > 0 and "holdout_zero_variance_brier" in row for row in report["history"])
     # Tokens read, padding excluded: every train text once per epoch; the held-out texts at each
     # epoch's calibration and the final one, the train texts at the final one.
     held = holdout_mask(ids, fraction=0.25)
@@ -117,6 +126,27 @@ def test_stage_end_to_end_on_a_fake_curation(tmp_path):
         run_train_estimator(TrainEstimatorConfig(encoder="tiny", output_dir=str(tmp_path / "x")))
 
 
+def test_zero_variance_labels_follow_the_rl_group_size(tmp_path):
+    """group_size below the curation's k trains the head on the share of G-subsets that are all equal;
+    above k the event cannot be observed, and the stage says so before training."""
+    _write_curation(tmp_path / "curate", num_prompts=60)
+    common = [f"curation_dir={tmp_path / 'curate'}", "encoder=tiny", "max_length=24", "epochs=1", "batch_size=16",
+              "holdout_fraction=0.25", "progress=false"]
+    cfg = configlib.load(TrainEstimatorConfig, overrides=[*common, "group_size=4", f"output_dir={tmp_path / 'g4'}"])
+    report = run_train_estimator(cfg, out=lambda line: None)
+    data = load_training_set(tmp_path / "curate")
+    held = holdout_mask(data.ids, fraction=0.25)
+    # Pass rate c/8 with c = 6: C(6,4)/C(8,4) = 15/70 of the 4-subsets are all correct.
+    correct = data.num_correct[held]
+    expected = np.array([(math.comb(int(c), 4) + math.comb(8 - int(c), 4)) / math.comb(8, 4) for c in correct])
+    assert report["holdout"]["group_size"] == 4
+    assert report["holdout"]["observed_zero_variance_fraction"] == pytest.approx(expected.mean(), rel=1e-12)
+    too_large = configlib.load(TrainEstimatorConfig, overrides=[*common, "group_size=16",
+                                                               f"output_dir={tmp_path / 'g16'}"])
+    with pytest.raises(ConfigError, match="group_size: 16 exceeds the 8 samples"):
+        run_train_estimator(too_large, out=lambda line: None)
+
+
 def test_holdout_split_is_stable_and_near_the_fraction():
     ids = [f"id-{i}" for i in range(4000)]
     mask = holdout_mask(ids, fraction=0.1)
@@ -132,4 +162,8 @@ def test_config_rejects_bad_values():
         configlib.load(TrainEstimatorConfig, overrides=["encoder=roberta"])
     with pytest.raises(ConfigError, match="max_length"):
         configlib.load(TrainEstimatorConfig, overrides=["max_length=1024"])
+    with pytest.raises(ConfigError, match="filter_threshold"):
+        configlib.load(TrainEstimatorConfig, overrides=["filter_threshold=1.0"])
+    with pytest.raises(ConfigError, match="margin"):
+        configlib.load(TrainEstimatorConfig, overrides=["margin=1.5"])
     assert configlib.load(TrainEstimatorConfig).w_rank == 3.0
