@@ -38,12 +38,14 @@ What it models, and from where:
   ``pipeline.algorithms.logprobs.token_logprobs_and_entropy`` (``trainer.logprob_buffer_mib``,
   smaller when a micro-batch has fewer tokens), a bf16 copy of its logit rows for a bf16
   weight, and the float32 ``(V/t, h)`` weight-gradient accumulator of its backward.
-* **FLOPs** (``step_flops``): ``6·N`` per trained token for forward + backward plus the
-  attention term ``12·L·s·a·d`` (Narayanan et al. §5.1, Eq. 3, counted without causal
-  halving as Megatron-LM reports it), ``2·N`` (+ ``4·L·s·a·d``) per token for each extra
-  forward (π_old recompute, reference policy); rollout ``2·N`` per prompt and generated token
-  (attention ignored: decode is bound by memory bandwidth, which the rollout MFU absorbs).
-  MFUs are assumptions, printed with the result.
+* **FLOPs** (``step_flops``): ``pipeline.stats.flops``' count, the one the RL step's metrics and
+  the campaign ledger use: forward ``2·N`` per token plus ``4·L·a·d`` per attended key, causal
+  (``N`` the matmul weights, output head included, embedding lookup not: Narayanan et al.
+  §5.1, Eq. 3; Chowdhery et al., "PaLM", Appendix B). Trainer: forward + backward (3×
+  forward, plus what ``recompute`` redoes) of every trained row, and a forward of it for each
+  extra log-prob pass (π_old recompute, reference policy). Rollout: each prompt's prefill once
+  per sampling round, and the decode of every sampled response. At the assumed mean response
+  length; MFUs are assumptions, printed with the result.
 * **Checkpoint write** (``checkpoint_write_plan``): a checkpoint holds each rank's weights and
   optimizer state (no gradients). megatron's ``dist_checkpointing`` writes a replicated shard
   once, from the first data-parallel rank, so that rank writes the whole model-parallel
@@ -76,6 +78,15 @@ from typing import Any, Literal, Mapping
 
 from pipeline.config import InFlightLimit, rollout_in_flight_limit
 from pipeline.models.spec import ModelSpec
+from pipeline.stats.flops import (
+    ForwardCost,
+    decoder_layer_matmul_parameters,
+    generation_flops,
+    peak_bf16_flops,
+    prefill_flops,
+    sequence_forward_flops,
+    update_flops,
+)
 
 __all__ = [
     "GPUS",
@@ -186,9 +197,17 @@ class ModelDims:
     def layer_parameters(self, tp: int = 1) -> int:
         """One decoder layer's parameters on one of ``tp`` tensor-parallel ranks (norms replicated)."""
         h, qkv = self.hidden_size, self.q_width + 2 * self.kv_width
-        split = h * qkv + self.q_width * h + 3 * h * self.ffn_hidden_size + (qkv if self.qkv_bias else 0)
+        matmuls = decoder_layer_matmul_parameters(hidden_size=h, ffn_hidden_size=self.ffn_hidden_size,
+                                                  q_width=self.q_width, kv_width=self.kv_width)
+        split = matmuls + (qkv if self.qkv_bias else 0)
         replicated = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         return split // tp + replicated
+
+    def forward_cost(self) -> ForwardCost:
+        """Per-token forward FLOPs of this model (``pipeline.stats.flops``)."""
+        return ForwardCost.decoder(hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
+                                   num_layers=self.num_layers, q_width=self.q_width, kv_width=self.kv_width,
+                                   vocab_size=self.vocab_size)
 
     def num_parameters(self) -> int:
         """All parameters, counting a tied embedding once."""
@@ -207,10 +226,10 @@ class GPUSpec:
 
 
 GPUS = {
-    # NVIDIA H100 SXM5 datasheet: 80 GB HBM3, 989 TFLOPS dense bf16 (1,979 with sparsity).
-    "h100": GPUSpec(name="H100 SXM 80GB", memory_gib=80 * 1e9 / GIB, peak_tflops=989.0),
+    # NVIDIA H100 SXM5 datasheet: 80 GB HBM3; its dense bf16 peak is pipeline.stats.flops' (989 TFLOPS).
+    "h100": GPUSpec(name="H100 SXM 80GB", memory_gib=80 * 1e9 / GIB, peak_tflops=peak_bf16_flops("H100") / 1e12),
     # NVIDIA H200 datasheet: 141 GB HBM3e, same compute as H100 SXM.
-    "h200": GPUSpec(name="H200 141GB", memory_gib=141 * 1e9 / GIB, peak_tflops=989.0),
+    "h200": GPUSpec(name="H200 141GB", memory_gib=141 * 1e9 / GIB, peak_tflops=peak_bf16_flops("H200") / 1e12),
 }
 
 
@@ -654,17 +673,24 @@ def sync_seconds(inputs: PlanInputs) -> float:
 
 
 def step_flops(inputs: PlanInputs) -> tuple[float, float]:
-    """(trainer, rollout) FLOPs of one step at the assumed mean response length."""
-    dims, workload, trainer = inputs.dims, inputs.workload, inputs.trainer
-    n = dims.num_parameters()
+    """(trainer, rollout) FLOPs of one step at the assumed mean response length (``pipeline.stats.flops``).
+
+    Trainer: every trained row's update plus one forward of it per extra log-prob pass. Rollout: each
+    prompt's prefill once per sampling round (both engines prefill a prompt once for all the samples
+    of a request), and every sampled response's decode.
+    """
+    cost, workload, trainer = inputs.dims.forward_cost(), inputs.workload, inputs.trainer
+    prompt = workload.prompt_tokens
     response = workload.max_new_tokens * inputs.assumptions.response_fraction
-    seq = workload.prompt_tokens + response
-    attention = dims.num_layers * seq * dims.q_width  # per token: 12× of this fwd+bwd, 4× per forward
-    trained = workload.prompts_per_step * workload.trained_per_prompt * seq
+    rows = workload.prompts_per_step * workload.trained_per_prompt
     forwards = int(trainer.old_logprob_forward) + int(trainer.reference_model)
-    train = trained * (6 * n + 12 * attention) + forwards * trained * (2 * n + 4 * attention)
-    sampled = workload.prompts_per_step * workload.sampled_per_prompt * seq
-    return float(train), float(2 * n * sampled)
+    train = rows * (update_flops(cost, prompt + response, recompute=trainer.recompute)
+                    + forwards * sequence_forward_flops(cost, prompt + response))
+    rounds = math.ceil(workload.sampled_per_prompt / workload.in_flight_per_prompt)
+    rollout = (workload.prompts_per_step * rounds * prefill_flops(cost, prompt)
+               + workload.prompts_per_step * workload.sampled_per_prompt
+               * generation_flops(cost, prompt_tokens=prompt, generated_tokens=response))
+    return float(train), float(rollout)
 
 
 def time_plan(inputs: PlanInputs) -> TimePlan:

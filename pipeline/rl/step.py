@@ -2,17 +2,18 @@
 
 Generation and grading on global rank 0 with the result broadcast to every rank, the
 actor's question log-probs for DEPO, the held-out score, the statistics store's
-bookkeeping, the per-step metrics row, and the end of a run. None of them names a method.
+bookkeeping, the step's FLOPs (``count_step_flops``), the per-step metrics row, and the end
+of a run. None of them names a method.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -22,6 +23,18 @@ from pipeline.rl.rollouts import RolloutBatch
 from pipeline.rl.sampling import SelectedPrompts
 from pipeline.rl.setup import PreparedStep, Run
 from pipeline.rollout.types import GenerationRequest, SamplingParams
+from pipeline.stats.flops import (
+    FlopCounter,
+    ForwardCost,
+    StepFlops,
+    estimator_flops,
+    generation_flops,
+    mfu,
+    peak_bf16_flops,
+    prefill_flops,
+    sequence_forward_flops,
+    update_flops,
+)
 from pipeline.trainer.batch import TrainBatch
 
 
@@ -170,11 +183,89 @@ def record_statistics(run: Run, *, pool: RolloutBatch, filtered: torch.Tensor, s
         reward_sum=torch.cat([pool.reward_sum_per_prompt(), zeros.double()]), step=step)
 
 
+def policy_step_flops(cost: ForwardCost, *, pool: RolloutBatch, train: RolloutBatch, kept_rows: torch.Tensor,
+                      logprob_forwards: int, question_forward: bool,
+                      recompute: Literal["none", "selective", "full"] = "none") -> StepFlops:
+    """The policy's FLOPs of one step (``pipeline.stats.flops``), estimator not included.
+
+    ``pool``: every sample generated; each prompt with a sample was prefilled once (both engines prefill
+    a prompt once for all the samples of a request; later Ada-Seq rounds of the same prompt, which
+    SGLang's prefix cache may serve, are not charged again), and the actor reads every pool prompt
+    once more when ``question_forward`` (DEPO's distillation target). ``train``: the rows the trainer
+    received, ``kept_rows`` those the update trained on; ``logprob_forwards`` forwards of every row ran
+    before the update (π_old recomputed, the reference policy). Padding is not counted.
+    """
+    counted = StepFlops()
+    prompt_lengths = [len(ids) for ids in pool.prompt_token_ids]
+    sampled = pool.num_samples_per_prompt().tolist()
+    prefilled = [length for length, n in zip(prompt_lengths, sampled) if n > 0]
+    questions = prompt_lengths if question_forward else []
+    counted.flops["prefill"] = sum(prefill_flops(cost, length) for length in prefilled + questions)
+    counted.tokens["prefill"] = sum(prefilled) + sum(questions)
+    for group, completion in zip(pool.group_ids.tolist(), pool.completions):
+        counted.flops["generation"] += generation_flops(cost, prompt_tokens=prompt_lengths[group],
+                                                        generated_tokens=completion.num_tokens)
+        counted.tokens["generation"] += completion.num_tokens
+    rows = [len(train.prompt_token_ids[group]) + completion.num_tokens
+            for group, completion in zip(train.group_ids.tolist(), train.completions)]
+    trained = [rows[i] for i in kept_rows.tolist()]
+    counted.flops["update"] = (sum(update_flops(cost, length, recompute=recompute) for length in trained)
+                               + logprob_forwards * sum(sequence_forward_flops(cost, length) for length in rows))
+    counted.tokens["update"] = sum(trained)
+    return counted
+
+
+def estimator_model(run: Run) -> Any | None:
+    """The difficulty estimator the run's filter, budget or sampler reads prompts with, if any: the model
+    whose ``num_encoded_tokens`` (train, inference) the ledger charges. A method names it ``estimator``,
+    or holds it as its ``trainer``'s ``model`` (DEPO's ``EstimatorTrainer``)."""
+    for method in (run.sampling.prompt_filter, run.sampling.budget, run.sampling.sampler):
+        model = getattr(method, "estimator", None) or getattr(getattr(method, "trainer", None), "model", None)
+        if model is not None and hasattr(model, "num_encoded_tokens") and hasattr(model, "describe"):
+            return model
+    return None
+
+
+def count_step_flops(run: Run, counter: FlopCounter, *, step: int, pool: RolloutBatch, train: RolloutBatch,
+                     kept_rows: torch.Tensor, logprob_forwards: int, seconds: Mapping[str, float],
+                     device_name: str | None = None) -> dict[str, float]:
+    """Count completed step ``step``'s FLOPs into ``counter``; its ``flops/*``, ``tokens/*`` and, on CUDA,
+    ``perf/mfu`` metrics.
+
+    ``perf/mfu``: the update's FLOPs (``flops/update``) over the seconds of the ``logprobs`` and
+    ``update`` phases on all ``world_size`` GPUs at the card's dense bf16 peak (the trainer's MFU, as
+    Megatron-LM and veRL log it); none on the CPU or on a card ``pipeline.stats.flops`` does not list.
+    ``device_name``: the card's CUDA name (read from the actor's device when None).
+    """
+    counted = policy_step_flops(ForwardCost.from_spec(run.actor.spec), pool=pool, train=train, kept_rows=kept_rows,
+                                logprob_forwards=logprob_forwards,
+                                question_forward=run.sampling.needs_question_logprobs,
+                                recompute=run.cfg.trainer.recompute)
+    model = estimator_model(run)
+    if model is not None:
+        read = counter.estimator_step_tokens(model.num_encoded_tokens)
+        counted.flops["estimator"] = estimator_flops(ForwardCost.from_bert_config(model.describe()["bert_config"]),
+                                                     read)
+        counted.tokens["estimator"] = sum(read.values())
+    counter.add(step, counted)
+    row = counter.metrics(counted)
+    if device_name is None and run.actor.device.type == "cuda":
+        device_name = torch.cuda.get_device_name(run.actor.device)
+    peak = peak_bf16_flops(device_name) if device_name else None
+    update_seconds = seconds.get("logprobs", 0.0) + seconds.get("update", 0.0)
+    if peak is not None and update_seconds > 0:
+        row["perf/mfu"] = mfu(counted.flops["update"], seconds=update_seconds, num_gpus=run.context.world_size,
+                              peak_flops=peak)
+    return row
+
+
 def step_metrics(*, pool: RolloutBatch, update, temperature: float, mean_entropy: float, tokens: int,
                  gradient_tokens: int, zero_variance: int, num_filtered: int, num_candidates: int,
                  mismatch: dict[str, Any], method_metrics: dict[str, Any], ledger: dict[str, int],
-                 rollout: dict[str, float], seconds: dict[str, float]) -> dict[str, float]:
-    """One row of ``metrics.jsonl``: the step's rewards, update, budgets, methods, ledger and phase times."""
+                 rollout: dict[str, float], seconds: dict[str, float],
+                 flops: Mapping[str, float] | None = None) -> dict[str, float]:
+    """One row of ``metrics.jsonl``: the step's rewards, update, budgets, methods, ledger, FLOPs
+    (``count_step_flops``) and phase times."""
     budget_counts = pool.num_samples_per_prompt().double()
     return {
         "reward_mean": float(pool.rewards.mean()), "pass_rate": float((pool.rewards > 0).float().mean()),
@@ -188,6 +279,7 @@ def step_metrics(*, pool: RolloutBatch, update, temperature: float, mean_entropy
         **{f"update/{k}": v for k, v in update.metrics.items()},
         **{k: float(v) for k, v in method_metrics.items()},
         **{f"ledger/{k}": v for k, v in ledger.items()},
+        **(flops or {}),
         **rollout,
         **{f"time/{k}": v for k, v in seconds.items()},
     }

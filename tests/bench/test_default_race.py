@@ -71,6 +71,36 @@ def test_campaign_tokens_charge_the_online_estimator_and_the_curation(tmp_path):
         default_race.add_encoded_tokens(_run([(0, 0.3, 0), (20, 0.5, 2000)]), tmp_path, filters_with_depo=True)
 
 
+def test_flops_beside_tokens_from_the_runs_own_count_plus_the_curation(tmp_path):
+    run = _run([(0, 0.3, 0), (10, 0.4, 1000), (20, 0.5, 2000)], curation_tokens=300)
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "flops/cumulative/total": flops}) + "\n" for step, flops in ((10, 4e12), (20, 9e12))))
+    default_race.add_flops(run, tmp_path)
+    assert [point["flops"] for point in run["curve"]] == [0.0, 4e12, 9e12]
+    # The curation's generation at the demo policy's 843,776 matmul weights (2·N per generated token).
+    assert default_race.curation_flops({"num_generated_tokens": 100}) == 100 * 2 * 843_776
+    run["curation_flops"] = 5e11
+    assert default_race.campaign_flops(run["final"], run) == 9.5e12
+    old = _run([(0, 0.3, 0), (10, 0.4, 1000)])
+    default_race.add_flops(old, tmp_path / "absent")  # a run from before the count: no FLOPs, no crash
+    assert old["final"]["flops"] is None and default_race.campaign_flops(old["final"], old) is None
+
+    results = {"grpo_raw": {0: _run([(0, 0.3, 0), (10, 0.40, 1000), (20, 0.50, 2000)])},
+               "depo_d3s_cw_raw": {0: _run([(0, 0.3, 0), (10, 0.52, 900)])}}
+    for point, flops in zip(results["grpo_raw"][0]["curve"], (0.0, 2e12, 4e12)):
+        point["flops"] = flops
+    for point, flops in zip(results["depo_d3s_cw_raw"][0]["curve"], (0.0, 2.2e12)):
+        point["flops"] = flops
+    summary = default_race.summarize(results)
+    depo = summary["methods"]["depo_d3s_cw_raw"]
+    # 900 tokens against 2,000 to the target, but 2.2e12 FLOPs against 4e12.
+    assert depo["tokens_to_target"]["per_seed"] == {0: 900} and depo["flops_to_target"]["per_seed"] == {0: 2.2e12}
+    assert depo["flops_to_target"]["ratio"]["mean"] == pytest.approx(0.55)
+    table = default_race.format_table(summary)
+    assert "| FLOPs to target | vs best baseline (FLOPs) | FLOPs at the end |" in table
+    assert "| 2.20e12 | 0.55 | 2.20e12 |" in table
+
+
 def test_candidates_skip_curation_and_filter_online():
     for name in ("depo_d3s_cw_raw", "depo_e3_d3s_cw_raw", "fast_depo_d3s_cw_raw", "fast_depo_ada_est_d3s_cw_raw"):
         method = default_race.METHODS[name]

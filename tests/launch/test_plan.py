@@ -261,3 +261,32 @@ def test_a_bootstrap_policy_is_checked_from_its_model_section_before_it_exists(t
     curate = next(context for context in contexts if context.stage == "curate")
     assert curate.source == "bootstrap.model" and curate.problem() is None
     assert not (tmp_path / "cache").exists()  # nothing was built or read
+
+
+def test_step_flops_are_pipeline_stats_flops_count():
+    """The planner prices a step with the RL metrics' own FLOPs formula (one owner: pipeline.stats.flops)."""
+    from pipeline.stats import flops as F
+
+    qwen = dims("Qwen2.5-Math-7B")
+    cost = qwen.forward_cost()
+    # The matmul weights: every parameter but the input embedding, the RMSNorms and the q/k/v biases.
+    norms_and_biases = ((2 * qwen.num_layers + 1) * qwen.hidden_size
+                        + qwen.num_layers * (qwen.q_width + 2 * qwen.kv_width))
+    assert cost.matmul_parameters == qwen.num_parameters() - qwen.vocab_size * qwen.hidden_size - norms_and_biases
+    assert (cost.num_layers, cost.attention_width) == (28, 28 * 128)
+    workload = P.Workload(prompts_per_step=4, trained_per_prompt=8, sampled_per_prompt=16, in_flight_per_prompt=4,
+                          prompt_tokens=512, max_new_tokens=2048, steps=1)
+    inputs = P.PlanInputs(dims=qwen, layout=P.Layout(data_parallel=8),
+                          trainer=P.TrainerSettings(reference_model=True, recompute="full"), workload=workload,
+                          cluster=P.Cluster(gpu=P.GPUS["h100"], trainer_nodes=1, gpus_per_node=8),
+                          assumptions=P.Assumptions(response_fraction=0.5))
+    train, rollout = P.step_flops(inputs)
+    # 32 trained rows of 512 + 1024 tokens: the update with full recompute, π_old's and the reference's forwards.
+    row = 512 + 1024
+    assert train == pytest.approx(32 * (F.update_flops(cost, row, recompute="full")
+                                        + 2 * F.sequence_forward_flops(cost, row)), rel=1e-12)
+    # 16 samples per prompt in rounds of 4: each prompt prefilled 4 times, 64 responses decoded.
+    assert rollout == pytest.approx(4 * 4 * F.prefill_flops(cost, 512)
+                                    + 64 * F.generation_flops(cost, prompt_tokens=512, generated_tokens=1024),
+                                    rel=1e-12)
+    assert P.GPUS["h100"].peak_tflops * 1e12 == F.peak_bf16_flops("NVIDIA H100 80GB HBM3")

@@ -19,8 +19,8 @@ rewards are all equal, the waste the methods claim to remove. Methods:
 - ``depo_e3_d3s_cw_raw``: the same with E3's rank budgets (B·G rollouts per step, conserved,
   moved from easy to hard prompts; bounds widen each pass over the pool);
 - ``fast_depo_d3s_cw_raw``: ``depo_d3s_cw_raw`` with an estimator that learns ten times faster
-  and filters at P(all G rewards equal) > 0.5 instead of 0.9, against the zero-variance groups
-  the defaults left in place;
+  and filters at P(all G rewards equal) > 0.5 instead of 0.9 (the recorded race; both are today's
+  defaults for the tiny encoder);
 - ``fast_depo_ada_est_d3s_cw_raw``: the same with Reinforce-Ada-Est budgets (B·G a step,
   conserved, in [2, 2G]).
 
@@ -36,6 +36,13 @@ at the first evaluation point reaching it (no interpolation), per seed, and comp
 the best baseline's cost of the same seed. Held-out set: ``--heldout-per-level`` test problems
 of each difficulty 3-5 (difficulty 2's test split holds only ~14 distinct problems), sampled
 as in ``tools.bench.race`` (same sampling seed everywhere, so curves are paired).
+
+Beside tokens, the same costs in **FLOPs** (``pipeline.stats.flops``), where an estimator token costs
+what the estimator costs (2.9% of a policy token's matmuls for the tiny encoder), not a policy
+token: the RL run's own count up to the point (``flops/cumulative/total``: generation, prefill,
+update, estimator), plus for curated methods the curation's generation estimated from its tokens
+(``2·N`` each; its prompts and attention are not recorded, so a curated method's FLOPs are
+somewhat low, marked ``~``). A run from before the count has no FLOPs (``n/a``).
 
 A pass over the pool is ``4 · pool_per_level`` prompts; at 16 prompts a step, the default 100
 prompts per level give a pass every 25 steps, so E3's budget widening (after each pass,
@@ -88,11 +95,12 @@ def _depo_e3_d3s_cw(*, steps: int, group_size: int = 8):
     return cfg
 
 
-# The online estimator at DEPO's defaults (lr 1e-4, threshold 0.9) filtered nothing in 60 steps: its
-# predicted pass rates stayed within ±0.02 of the batch mean, so P(all 8 rewards equal) never left
-# ~0.01. At ten times the learning rate it separates the pool's levels, though only after ~45 steps
-# on this pool (docs/benchmarks.md, "The default race"); at threshold 0.5 it drops a prompt once
-# p̂ < 0.083 or p̂ > 0.917 (p̂^8 + (1 − p̂)^8 > 0.5).
+# Recorded with the filter before its calibrated head: at the then-defaults (lr 1e-4, drop when
+# p̂^8 + (1 − p̂)^8 > 0.9) the online estimator filtered nothing in 60 steps, its predicted pass rates
+# within ±0.02 of the batch mean; at ten times the learning rate it separated the pool's levels only
+# after ~45 steps (docs/benchmarks.md, "The default race"). The filter now drops on a calibrated
+# P(all G equal) and these two values are the tiny encoder's defaults, so the candidate repeats
+# ``depo_d3s_cw_raw`` at today's settings; it stays so that the recorded race reruns by name.
 FAST_DEPO_LR = 1e-3
 FAST_DEPO_THRESHOLD = 0.5
 
@@ -204,9 +212,41 @@ def add_encoded_tokens(result: dict[str, Any], run_dir: Path, *, filters_with_de
     result["final"] = result["curve"][-1]
 
 
+def add_flops(result: dict[str, Any], run_dir: Path) -> None:
+    """Put the run's cumulative FLOPs (``flops/cumulative/total``; None where the run predates the count)
+    on every point of its curve (0 at step 0)."""
+    from pipeline.metrics import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    rows = read_metrics(path) if path.is_file() else []
+    counted = {row["step"]: float(row["flops/cumulative/total"]) for row in rows if "flops/cumulative/total" in row}
+    for point in result["curve"]:
+        point["flops"] = 0.0 if point["step"] == 0 else counted.get(point["step"])
+    result["final"] = result["curve"][-1]
+
+
+def curation_flops(manifest: dict[str, Any], overrides: Sequence[str] = ()) -> float:
+    """The curation's generation, estimated from its generated tokens at the bootstrap policy's size."""
+    from pipeline import configlib
+    from pipeline.config import RLConfig
+    from pipeline.launch.ledger import generated_tokens_flops
+    from pipeline.launch.plan import bootstrap_model_dims
+
+    bootstrap = configlib.load(RLConfig, base=_grpo(steps=1), overrides=list(overrides)).bootstrap
+    policy = bootstrap_model_dims(bootstrap).forward_cost()
+    flops, _ = generated_tokens_flops(int(manifest["num_generated_tokens"]), policy)
+    return float(flops.total or 0.0)
+
+
 def campaign_tokens(point: dict[str, Any], run: dict[str, Any]) -> int:
     """Rollout + estimator-encoded tokens up to ``point``, plus the curation the method paid before RL."""
     return point["tokens_generated"] + point.get("tokens_encoded", 0) + run["curation_tokens"]
+
+
+def campaign_flops(point: dict[str, Any], run: dict[str, Any]) -> float | None:
+    """The RL run's FLOPs up to ``point`` plus the curation's (``add_flops``); None without the run's count."""
+    flops = point.get("flops")
+    return None if flops is None else flops + run.get("curation_flops", 0.0)
 
 
 def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
@@ -217,20 +257,29 @@ def summarize(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     best = max((m for m in BASELINES if m in results), key=lambda m: finals[m])
     target = finals[best]
 
-    def cost_to_target(run: dict[str, Any]) -> float | None:
+    def cost_to_target(run: dict[str, Any], cost: Callable[[dict[str, Any], dict[str, Any]], Any]) -> Any:
         point = first_reaching(run["curve"], target)
-        return None if point is None else campaign_tokens(point, run)
+        return None if point is None else cost(point, run)
 
-    best_cost = {seed: cost_to_target(run) for seed, run in results[best].items()}
+    def to_target(runs: dict[int, dict[str, Any]], cost: Callable[[dict[str, Any], dict[str, Any]], Any],
+                  best_cost: dict[int, Any]) -> dict[str, Any]:
+        costs = {seed: cost_to_target(run, cost) for seed, run in runs.items()}
+        ratios = [None if costs[s] is None or not best_cost.get(s) else costs[s] / best_cost[s] for s in runs]
+        return {"per_seed": costs, "value": spread(list(costs.values())), "ratio": spread(ratios)}
+
+    best_tokens = {seed: cost_to_target(run, campaign_tokens) for seed, run in results[best].items()}
+    best_flops = {seed: cost_to_target(run, campaign_flops) for seed, run in results[best].items()}
     methods = {}
     for method, runs in results.items():
-        costs = {seed: cost_to_target(run) for seed, run in runs.items()}
-        ratios = [None if costs[s] is None or not best_cost.get(s) else costs[s] / best_cost[s] for s in runs]
+        tokens = to_target(runs, campaign_tokens, best_tokens)
         methods[method] = {
             "final_pass@1": spread([run["final"]["pass@1"] for run in runs.values()]),
             "final_pass@8": spread([run["final"].get("pass@8") for run in runs.values()]),
-            "reached": sum(c is not None for c in costs.values()), "seeds": sorted(runs),
-            "tokens_to_target": {"per_seed": costs, "value": spread(list(costs.values())), "ratio": spread(ratios)},
+            "reached": sum(c is not None for c in tokens["per_seed"].values()), "seeds": sorted(runs),
+            "tokens_to_target": tokens,
+            "flops_to_target": to_target(runs, campaign_flops, best_flops),
+            "total_flops_end": spread([campaign_flops(run["final"], run) for run in runs.values()]),
+            "flops_estimated": any(run.get("curation_flops") for run in runs.values()),
             "total_tokens_end": spread([campaign_tokens(run["final"], run) for run in runs.values()]),
             "rollout_tokens_end": spread([run["final"]["tokens_generated"] for run in runs.values()]),
             "encoded_tokens_end": spread([run["final"].get("tokens_encoded", 0) for run in runs.values()]),
@@ -249,19 +298,37 @@ def _range(entry: dict[str, Any], fmt: str) -> str:
     return text if entry["n"] == 1 else f"{text} [{format(entry['min'], fmt)}–{format(entry['max'], fmt)}]"
 
 
+def _flops_range(entry: dict[str, Any], *, estimated: bool) -> str:
+    """A spread of FLOPs as ``1.23e15 [1.10e15–1.31e15]``, ``~`` first when estimated, ``n/a`` without any."""
+    from pipeline.stats.flops import format_flops
+
+    if entry["n"] == 0:
+        return "n/a"
+    text = ("~" if estimated else "") + format_flops(entry["mean"])
+    return text if entry["n"] == 1 else f"{text} [{format_flops(entry['min'])}–{format_flops(entry['max'])}]"
+
+
 def format_table(summary: dict[str, Any]) -> str:
     lines = [f"target: {summary['best_baseline']}'s final held-out pass@1, {summary['target_pass@1']:.4f} "
              "(mean over seeds; [min–max] over seeds)",
              "| method | final pass@1 | reached | total tokens to target | vs best baseline | curation tokens | "
-             "estimator tokens | total tokens at the end | zero-variance groups | prompts filtered | E3 bounds |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "estimator tokens | total tokens at the end | FLOPs to target | vs best baseline (FLOPs) | "
+             "FLOPs at the end | zero-variance groups | prompts filtered | E3 bounds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for method, row in summary["methods"].items():
         bounds = " → ".join(f"[{int(lo)}, {int(hi)}]" for lo, hi in row["e3_bounds"]) or "—"
+        estimated = row.get("flops_estimated", False)
         lines.append(f"| {method} | {_range(row['final_pass@1'], '.3f')} | {row['reached']}/{len(row['seeds'])} | "
                      f"{_range(row['tokens_to_target']['value'], ',.0f')} | "
                      f"{_range(row['tokens_to_target']['ratio'], '.2f')} | {row['curation_tokens']:,} | "
-                     f"{_range(row['encoded_tokens_end'], ',.0f')} | {_range(row['total_tokens_end'], ',.0f')} | {_range(row['zero_variance_share'], '.0%')} | "
-                     f"{_range(row['prompts_filtered'], ',.0f')} | {bounds} |")
+                     f"{_range(row['encoded_tokens_end'], ',.0f')} | {_range(row['total_tokens_end'], ',.0f')} | "
+                     f"{_flops_range(row['flops_to_target']['value'], estimated=estimated)} | "
+                     f"{_range(row['flops_to_target']['ratio'], '.2f')} | "
+                     f"{_flops_range(row['total_flops_end'], estimated=estimated)} | "
+                     f"{_range(row['zero_variance_share'], '.0%')} | {_range(row['prompts_filtered'], ',.0f')} | "
+                     f"{bounds} |")
+    lines.append("FLOPs: the RL run's own count, plus for curated methods (~) the curation's generation estimated "
+                 "from its tokens, prompts and attention not recorded; n/a: runs from before the count.")
     return "\n".join(lines)
 
 
@@ -311,11 +378,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name in args.methods:
             method = METHODS[name]
             overrides = [*args.overrides, f"data.train={json.dumps([str(pool_path)])}"]
-            curation_tokens = 0
+            curation_tokens, curation_cost = 0, 0.0
             if method.curated:
                 curation = curation or run_curation(pool_path, out / "curate", context=context,
                                                     overrides=args.overrides)
                 curation_tokens = int(curation["num_generated_tokens"])
+                curation_cost = curation_flops(curation, args.overrides)
                 overrides = [*args.overrides, f"data.train={json.dumps([str(out / 'curate' / 'kept.jsonl')])}",
                              f"curation_dir={out / 'curate'}"]
             settings = RaceSettings(out=out, steps=args.steps,
@@ -337,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     path.write_text(json.dumps(result, indent=1))
                 add_encoded_tokens(result, settings.run_dir(name, seed),
                                    filters_with_depo=method.recipe(steps=1).algorithm.prompt_filter == "depo")
+                add_flops(result, settings.run_dir(name, seed))
+                result["curation_flops"] = curation_cost
                 print(f"[default_race] {name} seed {seed}: final pass@1 {result['final']['pass@1']:.3f}, "
                       f"rollout tokens {result['final']['tokens_generated']:,}, "
                       f"estimator tokens {result['final']['tokens_encoded']:,}, "
