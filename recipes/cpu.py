@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.config import D3SConfig, PodsConfig, RLConfig
+from recipes.papers import with_ada_seq
+from recipes.staged import staged_pipeline
 
 # Adam's first updates are ~lr·sign(g) per weight, so on this 0.8M-parameter policy, with
 # 16 × 8 samples of mostly zero-variance groups per step, the noise in the sign dominates
@@ -92,19 +94,18 @@ def dapo_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
 
 
 def ada_seq_balance_cpu(*, steps: int = 100, group_size: int = 4) -> RLConfig:
-    """Reinforce-Ada-Seq-BALANCE: rounds of 4 until 2 correct and 2 incorrect (cap 16), pool
-    baseline, balanced down-sampling to G = 4 — GRPO-n16-level signal at n = 4 update cost."""
+    """Reinforce-Ada-Seq-BALANCE as the paper preset runs it (``recipes.papers.with_ada_seq``): rounds
+    of 8 until 2 correct and 2 incorrect (cap 32), the pool-normalised advantage (r − p̂)/√(p̂(1 − p̂)),
+    balanced down-sampling to n = 4: GRPO-n16-level signal at n = 4 update cost (Reinforce-Ada Table 2)."""
     cfg = grpo_cpu(steps=steps, group_size=group_size)
-    cfg.algorithm.sampling = "ada_seq"
-    cfg.algorithm.advantage = "global_baseline"
-    cfg.algorithm.ada_seq = dataclasses.replace(cfg.algorithm.ada_seq, exit_rule="balance", max_samples=16)
+    cfg.algorithm = with_ada_seq(cfg.algorithm, exit_rule="balance", update_size=group_size)
     return cfg
 
 
 def ada_seq_pos_cpu(*, steps: int = 100, group_size: int = 4) -> RLConfig:
-    """Reinforce-Ada-Seq-POS: exit once a prompt has k_pos = 2 correct answers."""
-    cfg = ada_seq_balance_cpu(steps=steps, group_size=group_size)
-    cfg.algorithm.ada_seq.exit_rule = "pos"
+    """Reinforce-Ada-Seq-POS as the paper preset runs it: exit once a prompt has 1 correct answer."""
+    cfg = grpo_cpu(steps=steps, group_size=group_size)
+    cfg.algorithm = with_ada_seq(cfg.algorithm, exit_rule="pos", update_size=group_size)
     return cfg
 
 
@@ -135,20 +136,16 @@ def e3_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
     return cfg
 
 
-def methods_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
-    """The combined methods stack: DEPO filter + Ada-Seq-BALANCE + D³S + CW-GRPO + E3 temperature.
+def methods_cpu(*, steps: int = 100, group_size: int = 4) -> RLConfig:
+    """The staged pipeline on the demo policy (``recipes.staged.staged_pipeline``, the H100 campaigns'
+    default): DEPO filter on Ada-Seq's pool + Ada-Seq-BALANCE at n = ``group_size`` + D³S across
+    groups + CW-GRPO, E3's temperature off; a fresh estimator is the tiny encoder.
 
-    Ada-Seq draws rounds of 4 until a prompt has 2 correct and 2 incorrect answers (cap 4G),
-    then balanced down-sampling keeps G per prompt; D³S then selects samples and tokens.
-    The CPU campaign's default until the default race measured it (``default_cpu``).
+    The campaign trains it on the raw stream with the estimator pre-trained on the curation
+    (``recipes.campaigns.cpu_campaign``).
     """
-    cfg = d3s_cw_cpu(steps=steps, group_size=group_size)
-    cfg.algorithm.temperature = "e3"
-    cfg.algorithm.prompt_filter = "depo"
-    cfg.algorithm.sampling = "ada_seq"
-    cfg.algorithm.advantage = "global_baseline"
-    cfg.algorithm.ada_seq = dataclasses.replace(cfg.algorithm.ada_seq, max_samples=4 * group_size)
-    return cfg
+    return staged_pipeline(grpo_cpu(steps=steps), sample_selector="d3s_cross", estimator_encoder="tiny",
+                           update_size=group_size)
 
 
 def grpo_async_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
@@ -170,9 +167,11 @@ def default_cpu(*, steps: int = 100, group_size: int = 8) -> RLConfig:
     In the default race (``tools.bench.default_race``; docs/benchmarks.md, "The default race")
     nothing beat it on total campaign tokens at its held-out accuracy: curating first cost a
     quarter of a run and ended lower, and the online-filtered stacks (DEPO, E3 or Ada-Est budgets,
-    D³S, CW-GRPO) spent the same rollouts plus their estimator's reading. The campaign skips
-    curation for this variant (``recipes.campaigns.cpu_campaign``); not in ``RECIPES``, where it
-    would race as a second ``grpo_cpu``.
+    D³S, CW-GRPO) spent the same rollouts plus their estimator's reading; in the demo
+    (docs/benchmarks.md, "The CPU campaign") neither alternative measured differed from it beyond
+    noise on any held-out metric, at 2.3–4.0× its campaign tokens, while it pays nothing before RL.
+    The campaign skips curation for this variant (``recipes.campaigns.cpu_campaign``); not in
+    ``RECIPES``, where it would race as a second ``grpo_cpu``.
     """
     return grpo_cpu(steps=steps, group_size=group_size)
 

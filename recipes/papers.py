@@ -44,10 +44,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pipeline import configlib
 from pipeline.algorithms.d3s import D3S_VARIANTS
-from pipeline.config import DataConfig, OptimConfig, RLConfig, TrainerConfig
+from pipeline.config import AlgorithmConfig, DataConfig, OptimConfig, RLConfig, TrainerConfig
 
 # The D³S schedule of Table 6: N_s from 8 to 32 of G = 32 samples, K from 5% to 20% of tokens.
 D3S_NUM_KEEP = (8, 32)
@@ -263,27 +264,48 @@ def ada_dapo(*, backbone: str, policy: str | None = None) -> RLConfig:
     return with_dapo(ada_baseline(backbone=backbone, policy=policy))
 
 
-def ada_seq(*, backbone: str, exit_rule: str = "balance", policy: str | None = None) -> RLConfig:
-    """Reinforce-Ada-Seq (Algorithm 2) with the POS or BALANCE exit rule, n = 4 (§4.1).
+# Reinforce-Ada's update group (§4.1: "we standardize the update group size ... to n = 4").
+ADA_SEQ_UPDATE_SIZE = 4
 
-    From the paper: up to N_max = 32 samples per prompt, down-sampled to n = 4 for the
-    update, with the baseline r̄_x over the whole pool (Algorithm 2 lines 17–19).
-    From the authors' released code (verl/trainer/config/ppo_trainer.yaml, ray_trainer.py
-    and scripts/run_reinforce_ada.sh of the repository above): rounds of 8 samples
-    (max_rounds 4 × round_repeat 8 = 32); POS exits at 1 correct sample, BALANCE at
-    n/2 = 2 correct and 2 incorrect; the advantage is GRPO's with the pool's mean and std
-    (``global_stat_est=True``), i.e. ``(r − p̂)/√(p̂(1 − p̂))`` for binary rewards
-    (``baseline_weight="bernoulli_std"``; §3.2's 1/p̂ weight is ``"inv_mean"``).
+
+def with_ada_seq(algorithm: AlgorithmConfig, *, exit_rule: Literal["pos", "balance"],
+                 update_size: int) -> AlgorithmConfig:
+    """``algorithm`` sampling with Reinforce-Ada-Seq (Algorithm 2) as the authors run it, for an update group of n.
+
+    From the paper: N_max = 32 samples per prompt at n = 4 (§4.1), down-sampled to n for the
+    update, with the baseline over the whole pool (Algorithm 2 lines 17–19). From the authors'
+    released code (verl/trainer/config/ppo_trainer.yaml, ray_trainer.py and
+    scripts/run_reinforce_ada.sh of github.com/WeiXiongUST/Reinforce-Ada), at n = 4: rounds of
+    8 samples (round_repeat 8, max_rounds 4: N_max = 32); POS exits at 1 correct sample,
+    BALANCE at n/2 = 2 correct and 2 incorrect; the advantage is GRPO's with the pool's mean
+    and std (``global_stat_est=True``), ``(r − p̂)/√(p̂(1 − p̂))`` for binary rewards
+    (``baseline_weight="bernoulli_std"``; §3.2's 1/p̂ weight is ``"inv_mean"``, Algorithm 2
+    line 19's unweighted r − p̂ is ``"none"``). For another n the counts keep their proportion
+    to n (rounds of 2n, N_max = 8n, BALANCE at n/2 of each; §3.2's own example, N_max = 128
+    and K = 8 at n = 16, keeps the last two). Sets ``sampling``, ``advantage``,
+    ``baseline_weight`` and ``ada_seq.*``; the caller's ``group_size`` must be ``update_size``.
+    """
+    if update_size < 2:
+        raise ValueError(f"update_size: Reinforce-Ada-Seq down-samples to n ≥ 2 (one of each outcome), "
+                         f"got {update_size}")
+    k_pos, k_neg = (1, 0) if exit_rule == "pos" else (update_size // 2, update_size // 2)
+    return dataclasses.replace(
+        algorithm, sampling="ada_seq", advantage="global_baseline", baseline_weight="bernoulli_std",
+        ada_seq=dataclasses.replace(algorithm.ada_seq, exit_rule=exit_rule, k_pos=k_pos, k_neg=k_neg,
+                                    round_size=2 * update_size, max_samples=8 * update_size),
+    )
+
+
+def ada_seq(*, backbone: str, exit_rule: Literal["pos", "balance"] = "balance", policy: str | None = None) -> RLConfig:
+    """Reinforce-Ada-Seq (Algorithm 2) with the POS or BALANCE exit rule, n = 4 (§4.1), as
+    ``with_ada_seq`` describes: rounds of 8 up to 32 samples, POS at 1 correct, BALANCE at 2 and
+    2, the pool-normalised advantage of the authors' code.
+
     Changes from ``ada_baseline``: ``algorithm.sampling``, ``algorithm.advantage``,
     ``algorithm.baseline_weight`` and ``algorithm.ada_seq.*``.
     """
-    cfg = ada_baseline(backbone=backbone, policy=policy)
-    k_pos, k_neg = {"pos": (1, 0), "balance": (2, 2)}[exit_rule]
-    cfg.algorithm = dataclasses.replace(
-        cfg.algorithm, sampling="ada_seq", advantage="global_baseline", baseline_weight="bernoulli_std",
-        ada_seq=dataclasses.replace(cfg.algorithm.ada_seq, exit_rule=exit_rule, k_pos=k_pos, k_neg=k_neg,
-                                    round_size=8, max_samples=32),
-    )
+    cfg = ada_baseline(backbone=backbone, group_size=ADA_SEQ_UPDATE_SIZE, policy=policy)
+    cfg.algorithm = with_ada_seq(cfg.algorithm, exit_rule=exit_rule, update_size=cfg.group_size)
     return cfg
 
 
@@ -305,7 +327,7 @@ def ada_est(*, backbone: str, policy: str | None = None) -> RLConfig:
 
 
 def ada_seq_balance_d3s_cw(*, backbone: str = QWEN25_MATH_7B.key, policy: str | None = None) -> RLConfig:
-    """Ada-Seq-BALANCE + D³S + CW-GRPO: the combination issue #7 names; no paper runs it.
+    """Ada-Seq-BALANCE + D³S + CW-GRPO on Reinforce-Ada's setup: no paper runs this combination.
 
     Reinforce-Ada's setup (``ada_seq``, n = 4) with D³S cross-group samples and top-K tokens
     on the down-sampled groups and CW-GRPO weights on the kept tokens. D³S's Table 6
@@ -568,7 +590,7 @@ def _register_presets() -> None:
         _add(f"grpo_n{group_size}_{QWEN25_MATH_1P5B.key}", f"Reinforce-Ada Table 2, GRPO-n{group_size}",
              ada_baseline, backbone=QWEN25_MATH_1P5B.key, group_size=group_size)
     _add(f"dapo_n4_{QWEN25_MATH_1P5B.key}", "Reinforce-Ada Table 2, DAPO", ada_dapo, backbone=QWEN25_MATH_1P5B.key)
-    _add(f"ada_seq_balance_d3s_cw_{QWEN25_MATH_7B.key}", "issue #7's combination on Reinforce-Ada's setup",
+    _add(f"ada_seq_balance_d3s_cw_{QWEN25_MATH_7B.key}", "not a paper row: Ada-Seq-BALANCE + D³S + CW-GRPO on Reinforce-Ada's setup",
          ada_seq_balance_d3s_cw, backbone=QWEN25_MATH_7B.key)
 
     # E3: Table 1 (GRPO, DAPO, Ours on both sizes), Table 2 (ER, TS, TS+AN), Table 3 (w/o DS).

@@ -23,12 +23,16 @@ Reinforce-Ada-Est (Algorithm 1, §3.1)
 Appendix D
     ``expected_samples``      exact expected sampling cost of the sequential
                               rules with per-round batches and a cap.
+    ``pool_zero_variance_probability``  the chance that a prompt's whole pool
+                              has one outcome: what no number of rounds rescues.
 
 The advantages themselves are ``advantages.global_baseline_advantages``
 (registered ``global_baseline``), given the whole pool via ``pool_rewards``:
 ``weight="none"`` is Algorithm 2 line 19 (A = r − r̄_x), ``"inv_mean"`` the §3.2
 estimator with the re-introduced 1/p̂ weight, ``"inv_sqrt_mean"`` Algorithm 1
-lines 14–16 (A = (r − r̄_x)/√(r̄_x + ε)). Compute them on the pool *before*
+lines 14–16 (A = (r − r̄_x)/√(r̄_x + ε)), ``"bernoulli_std"`` the authors'
+released Seq code (GRPO's normalisation with the pool's mean and std,
+(r − p̂)/√(p̂(1 − p̂)) for binary rewards). Compute them on the pool *before*
 ``balanced_downsample``, which passes them through unchanged.
 
 Outcomes are binary: a response is *correct* when ``reward > success_threshold``
@@ -55,6 +59,7 @@ __all__ = [
     "exit_condition",
     "expected_samples",
     "pool_statistics",
+    "pool_zero_variance_probability",
 ]
 
 ExitRule = Literal["pos", "balance"]
@@ -450,6 +455,27 @@ def ada_est_budgets(
 # ---------------------------------------------------------------------------
 
 
+def _sequential_rule(*, rule: ExitRule, k_pos: int, k_neg: int, batch_size: int, max_samples: int) -> int:
+    """Validate Algorithm 2's sampling settings; the k_neg the rule reads (POS reads none: 0)."""
+    if batch_size < 1 or max_samples < 1:
+        raise ValueError(f"batch_size and max_samples must be ≥ 1, got {batch_size}, {max_samples}")
+    if k_pos < 0 or k_neg < 0:
+        raise ValueError(f"k_pos and k_neg must be ≥ 0, got {k_pos} and {k_neg}")
+    if rule == "pos":
+        return 0
+    if rule != "balance":
+        raise ValueError(f"unknown exit rule {rule!r}; choose 'pos' or 'balance'")
+    return k_neg
+
+
+def _pass_probabilities(p: torch.Tensor | float) -> torch.Tensor:
+    prob = torch.as_tensor(p, dtype=torch.float64)
+    _require_finite("p", prob)
+    if bool(((prob < 0) | (prob > 1)).any()):
+        raise ValueError("p must lie in [0, 1]")
+    return prob
+
+
 def expected_samples(
     p: torch.Tensor | float,
     *,
@@ -478,18 +504,8 @@ def expected_samples(
     Returns ``(expected (…,) float64, metrics)``; ``metrics["unresolved_prob"]``
     is the probability the cap is reached with the rule still unmet.
     """
-    if batch_size < 1 or max_samples < 1:
-        raise ValueError(f"batch_size and max_samples must be ≥ 1, got {batch_size}, {max_samples}")
-    if k_pos < 0 or k_neg < 0:
-        raise ValueError(f"k_pos and k_neg must be ≥ 0, got {k_pos} and {k_neg}")
-    if rule == "pos":
-        k_neg = 0
-    elif rule != "balance":
-        raise ValueError(f"unknown exit rule {rule!r}; choose 'pos' or 'balance'")
-    prob = torch.as_tensor(p, dtype=torch.float64)
-    _require_finite("p", prob)
-    if bool(((prob < 0) | (prob > 1)).any()):
-        raise ValueError("p must lie in [0, 1]")
+    k_neg = _sequential_rule(rule=rule, k_pos=k_pos, k_neg=k_neg, batch_size=batch_size, max_samples=max_samples)
+    prob = _pass_probabilities(p)
     flat = prob.reshape(-1)  # (P,)
 
     num_rounds = math.ceil(max_samples / batch_size)
@@ -516,3 +532,43 @@ def expected_samples(
     unresolved = prob_unmet[-1]
     metrics: dict[str, float | torch.Tensor] = {"unresolved_prob": unresolved.reshape(prob.shape)}
     return expected.reshape(prob.shape), metrics
+
+
+def pool_zero_variance_probability(
+    p: torch.Tensor | float,
+    *,
+    rule: ExitRule = "balance",
+    k_pos: int,
+    k_neg: int = 0,
+    batch_size: int,
+    max_samples: int,
+) -> torch.Tensor:
+    """Probability that Reinforce-Ada-Seq's whole pool for a prompt of pass rate ``p`` has one outcome.
+
+    Such a pool teaches nothing however it is down-sampled: balanced down-sampling
+    (Algorithm 2 line 18) keeps both outcomes whenever the pool has both, so the update
+    group is zero-variance exactly when the pool is. Rounds of ``batch_size`` up to
+    ``max_samples``, the exit rule checked at each round's end, as in ``expected_samples``.
+
+    A one-outcome pool comes from one path: every sample correct (or every one wrong).
+    That path exits at the first round end where the rule holds on it, else at the cap:
+    all correct satisfies POS once k_pos are drawn, and BALANCE only when k_neg = 0; all
+    wrong satisfies either rule only when k_pos = 0 (and, for BALANCE, k_neg are drawn).
+    So P = p^{n₊} + (1 − p)^{n₋}, with n₊ and n₋ those paths' pool sizes. With both
+    thresholds ≥ 1, BALANCE never exits on a one-outcome pool: P = p^N + (1 − p)^N at the
+    cap N, symmetric in p and 1 − p (the authors' settings, N = 32: 4.7e-10 at p = 1/2, 0.9
+    at p = 0.0033). Returns float64 of ``p``'s shape.
+    """
+    k_neg = _sequential_rule(rule=rule, k_pos=k_pos, k_neg=k_neg, batch_size=batch_size, max_samples=max_samples)
+    prob = _pass_probabilities(p)
+    round_ends = [min(end, max_samples) for end in range(batch_size, max_samples + batch_size, batch_size)]
+
+    def pool_size(needed: int | None) -> int:
+        """Samples drawn on a one-outcome path whose rule holds once ``needed`` are drawn (None: never)."""
+        if needed is None:
+            return max_samples
+        return next((end for end in round_ends if end >= needed), max_samples)
+
+    all_correct = pool_size(k_pos if k_neg == 0 else None)
+    all_wrong = pool_size(k_neg if k_pos == 0 else None)
+    return prob**all_correct + (1.0 - prob) ** all_wrong

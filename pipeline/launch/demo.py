@@ -10,8 +10,8 @@ evaluation settings), built by the CLI and run in this process
 3. train the DEPO difficulty estimator on the curation's pass rates;
 4. RL three times from the same base and budget of steps: the default (plain GRPO on the
    uncurated prompts, the best combination the default race measured on total campaign
-   tokens), GRPO on the curated prompts, and the combined methods stack (DEPO +
-   Ada-Seq-BALANCE + D³S + CW-GRPO + E3 temperature) on the curated prompts;
+   tokens), GRPO on the curated prompts, and the staged pipeline (DEPO, its estimator
+   trained on the curation, + Ada-Seq-BALANCE + D³S + CW-GRPO) on the uncurated prompts;
 5. evaluate each: unbiased pass@1…pass@32 on held-out synthetic sets, GSM8K and MATH-500
    (reported honestly: a model this small scores ~0 there, and most of their problems
    do not fit its context);
@@ -19,8 +19,8 @@ evaluation settings), built by the CLI and run in this process
    and let it answer a question.
 
 The report states the base policy's held-out pass@1 against the band the bootstrap seed
-study found, and counts every token each variant cost, curation and estimator included
-(``pipeline.launch.ledger``).
+study found, and counts every token and FLOP each variant cost, curation and estimator included
+(``pipeline.launch.ledger``; the estimator charged at its own size, a few percent of a policy token).
 
 Stages already done are skipped on a rerun, so a second ``winnow demo`` only prints.
 """
@@ -38,7 +38,7 @@ VARIANTS = ("default", "grpo", "methods")  # the token table's rows
 # Each comparison table: (baseline, variant); its differences are variant − baseline.
 COMPARISONS = (("default", "methods"), ("default", "grpo"))
 TITLES = {"default": "default (GRPO, uncurated)", "grpo": "GRPO on curated prompts",
-          "methods": "methods (DEPO + Ada-Seq-BALANCE + D³S + CW-GRPO + E3, curated)"}
+          "methods": "methods (staged pipeline: DEPO + Ada-Seq-BALANCE + D³S + CW-GRPO, uncurated; estimator trained on the curation)"}
 
 # Held-out pass@1 of the demo's base policy: the range over bootstrap seeds 0-4 and torch's
 # default and fused Adam kernels (docs/benchmarks.md, "The base policy"), widened for the
@@ -75,21 +75,17 @@ def run_demo(cfg: DemoConfig, *, plan, context=None, out=print) -> dict:
         out(format_comparison(compare(results[baseline], results[variant], seed=0), label_a=baseline,
                               label_b=variant).rstrip())
     out("")
-    out("| run | paid before RL | rollout tokens | evaluation tokens | campaign tokens | tokens with gradient | "
-        "zero-variance groups | prompts filtered | RL wall time |")
-    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for variant, run in runs.items():
-        cost, rl = ledger.variant_cost(variant), ledger.stages[f"rl-{variant}"]
-        run["campaign_tokens"], run["tokens_before_rl"] = cost.total, cost.before_rl
-        zero_share = f"{rl.zero_variance_groups / rl.groups:.0%}" if rl.groups else "—"
-        out(f"| {variant} | {cost.before_rl:,} | {run['tokens_generated']:,} | {cost.evaluation or 0:,} | "
-            f"{cost.total:,} | {run['tokens_with_gradient']:,} | {zero_share} | {run['prompts_filtered']:,} | "
-            f"{run['seconds']:.0f} s |")
+    for line in cost_table(ledger, runs):
+        out(line)
     out("")
     out("Tokens are generated (sampled) tokens, plus the difficulty estimator's encoded tokens; a variant pays "
         "in full for the shared stages it depends on (curation for grpo and methods, and the estimator for "
-        "methods; the default trains on the uncurated prompts and pays nothing before RL). The whole "
-        f"campaign: {ledger.total:,} (`winnow launch status {root}` prints the ledger per stage).")
+        "methods; the default trains on the uncurated prompts and pays no tokens before RL). FLOPs count what "
+        "the tokens cost (pipeline.stats.flops): generation, prefill, update and the estimator at its own size; "
+        "before RL they include the bootstrap's supervised update, which every variant paid; ~ marks a count "
+        "estimated from tokens or missing a part the stage did not record. The whole campaign: "
+        f"{ledger.total:,} tokens, {ledger.flops.total_cell()} FLOPs (`winnow launch status {root}` prints the "
+        "ledger per stage).")
     plot = plot_comparison({variant: results[variant] for variant in VARIANTS}, root / "pass_at_k.png")
     export = root / "export" / "default"
     answer = reload_and_answer(export, cfg.question, max_new_tokens=cfg.max_new_tokens)
@@ -100,6 +96,27 @@ def run_demo(cfg: DemoConfig, *, plan, context=None, out=print) -> dict:
         f"{root}/estimator/calibration.png")
     out(f"done in {time.perf_counter() - started:.0f} s")
     return {"results": results, "runs": runs, "answer": answer, "plot": str(plot)}
+
+
+COST_HEADER = ("| run | paid before RL | rollout tokens | evaluation tokens | campaign tokens | tokens with gradient | "
+               "zero-variance groups | prompts filtered | RL FLOPs | estimator FLOPs | campaign FLOPs | RL wall time |")
+
+
+def cost_table(ledger, runs: dict[str, dict]) -> list[str]:
+    """The variants' costs in tokens and FLOPs (the ledger's), beside each run's summary (``_rl_summary``);
+    fills each run's ``campaign_tokens``, ``tokens_before_rl``, ``campaign_flops`` and ``estimator_flops``."""
+    lines = [COST_HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for variant, run in runs.items():
+        cost, rl = ledger.variant_cost(variant), ledger.stages[f"rl-{variant}"]
+        flops = cost.flops
+        run["campaign_tokens"], run["tokens_before_rl"] = cost.total, cost.before_rl
+        run["campaign_flops"], run["estimator_flops"] = flops.total, flops.flops["estimator"]
+        zero_share = f"{rl.zero_variance_groups / rl.groups:.0%}" if rl.groups else "—"
+        lines.append(f"| {variant} | {cost.before_rl:,} | {run['tokens_generated']:,} | {cost.evaluation or 0:,} | "
+                     f"{cost.total:,} | {run['tokens_with_gradient']:,} | {zero_share} | {run['prompts_filtered']:,} | "
+                     f"{cost.flops_rl.total_cell()} | {flops.cell('estimator')} | {flops.total_cell()} | "
+                     f"{run['seconds']:.0f} s |")
+    return lines
 
 
 def describe_base_policy(pass_at_1: float | None, *, eval_set: str, tiny: bool) -> str:

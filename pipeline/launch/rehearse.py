@@ -53,7 +53,7 @@ from pipeline.launch.campaign import CampaignPlan, CampaignStatus, Stage
 from pipeline.launch.rehearsal_model import RehearsalModel, build_rehearsal_model, fit_answers, published_config
 
 # Metrics columns that differ between two runs of the same steps for reasons of time, not of content.
-TIMING_PREFIXES = ("time/", "rollout/seconds", "throughput", "mfu")
+TIMING_PREFIXES = ("time/", "rollout/seconds", "throughput", "mfu", "perf/")
 TIMING_KEYS = frozenset({"wall_s", "elapsed_s", "timestamp", "time"})
 CONTROL_SUFFIX = "-control"  # the uninterrupted copy of the stage the stop event is played on
 # Where a rehearsal looks for its stand-ins' ports: a free block per rehearsal (several may run on one
@@ -219,6 +219,16 @@ def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path, 
         _scaled(config, "steps", scale.rl_steps, notes)
         _scaled(config, "prompts_per_step", scale.prompts_per_step, notes)
         _scaled(config, "group_size", scale.group_size, notes)
+        # The stream the model was fitted on: a raw-stream run (DEPO in place of curation) reads the
+        # curation's sources, of which the rehearsal model answers only the first prompts.
+        _scaled(config, "data.limit", scale.prompts, notes)
+        # Multi-round samplers' volumes scale with the group; the DEPO event is at most their pool.
+        ada_seq = config["algorithm"]["ada_seq"]
+        _scaled(config, "algorithm.ada_seq.round_size", min(ada_seq["round_size"], scale.group_size), notes)
+        _scaled(config, "algorithm.ada_seq.max_samples", min(ada_seq["max_samples"], 2 * scale.group_size), notes)
+        if config["algorithm"]["depo"]["zero_variance_samples"] is not None:
+            _scaled(config, "algorithm.depo.zero_variance_samples",
+                    min(config["algorithm"]["depo"]["zero_variance_samples"], ada_seq["max_samples"]), notes)
         _scaled(config, "eval_limit", scale.eval_problems, notes)
         _scaled(config, "eval_samples", min(config["eval_samples"], 2), notes)
         _scaled(config, "reward.num_workers", scale.grading_workers, notes)

@@ -19,6 +19,7 @@ from pipeline.algorithms.reinforce_ada import (
     exit_condition,
     expected_samples,
     pool_statistics,
+    pool_zero_variance_probability,
 )
 from tests.oracles.estimators import PassRateEstimator
 
@@ -623,3 +624,61 @@ def test_expected_samples_rejects_bad_input():
         expected_samples(torch.tensor([float("nan")]), k_pos=1, batch_size=1, max_samples=2)
     with pytest.raises(ValueError, match="unknown exit rule"):
         expected_samples(0.5, rule="neg", k_pos=1, batch_size=1, max_samples=2)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# The pool no number of rounds rescues
+# ---------------------------------------------------------------------------
+
+
+def ref_pool_zero_variance(p: float, rule: str, k_pos: int, k_neg: int, batch: int, cap: int) -> float:
+    """Every outcome sequence of ``cap`` draws, each cut where Algorithm 2's rounds stop (lines 4–12)."""
+    total = 0.0
+    for bits in range(2**cap):
+        outcomes = [(bits >> i) & 1 for i in range(cap)]
+        drawn = 0
+        while True:
+            drawn = min(drawn + batch, cap)
+            correct = sum(outcomes[:drawn])
+            met = correct >= k_pos if rule == "pos" else correct >= k_pos and drawn - correct >= k_neg
+            if met or drawn == cap:
+                break
+        correct = sum(outcomes)
+        weight = p**correct * (1 - p) ** (cap - correct)  # the undrawn tail marginalises out
+        if len(set(outcomes[:drawn])) == 1:
+            total += weight
+    return total
+
+
+@pytest.mark.parametrize(("rule", "k_pos", "k_neg", "batch", "cap"), [
+    ("balance", 2, 2, 3, 8), ("balance", 1, 1, 2, 9), ("balance", 3, 0, 2, 8), ("balance", 0, 2, 4, 10),
+    ("balance", 0, 0, 3, 7), ("pos", 1, 5, 3, 8), ("pos", 4, 0, 3, 10), ("pos", 0, 0, 2, 6), ("pos", 9, 0, 4, 8),
+])
+def test_pool_zero_variance_matches_every_outcome_sequence(rule, k_pos, k_neg, batch, cap):
+    ps = [0.0, 0.02, 0.3, 0.5, 0.85, 1.0]
+    got = pool_zero_variance_probability(torch.tensor(ps, dtype=torch.float64), rule=rule, k_pos=k_pos, k_neg=k_neg, batch_size=batch,
+                                         max_samples=cap)
+    expected = torch.tensor([ref_pool_zero_variance(p, rule, k_pos, k_neg, batch, cap) for p in ps],
+                            dtype=torch.float64)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_pool_zero_variance_at_the_authors_settings():
+    # BALANCE at n = 4 (2 correct and 2 incorrect, rounds of 8, N_max = 32) never exits on a
+    # one-outcome pool: p^32 + (1 − p)^32, symmetric, 0.9 near p = 0.0033. POS (1 correct) exits
+    # after the first round of 8 on an all-correct pool.
+    p = torch.tensor([0.0033, 0.5, 0.9967, 0.9], dtype=torch.float64)
+    balance = pool_zero_variance_probability(p, rule="balance", k_pos=2, k_neg=2, batch_size=8, max_samples=32)
+    torch.testing.assert_close(balance, p**32 + (1 - p) ** 32)
+    assert float(balance[0]) == pytest.approx(0.8996, abs=1e-4) and float(balance[0]) == float(balance[2])
+    pos = pool_zero_variance_probability(0.9, rule="pos", k_pos=1, batch_size=8, max_samples=32)
+    assert float(pos) == pytest.approx(0.9**8 + 0.1**32)
+
+
+def test_pool_zero_variance_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        pool_zero_variance_probability(torch.tensor([-0.1]), k_pos=1, batch_size=1, max_samples=2)
+    with pytest.raises(ValueError, match="≥ 1"):
+        pool_zero_variance_probability(0.5, k_pos=1, batch_size=0, max_samples=2)
+    with pytest.raises(ValueError, match="unknown exit rule"):
+        pool_zero_variance_probability(0.5, rule="neg", k_pos=1, batch_size=1, max_samples=2)  # type: ignore[arg-type]

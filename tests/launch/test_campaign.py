@@ -133,17 +133,17 @@ def test_cpu_campaign_wires_every_path_from_the_root(tmp_path):
     assert curate.policy == str(entry) and curate.output_dir == str(tmp_path / "curate")
     assert plan.stage("train-estimator").config.curation_dir == str(tmp_path / "curate")
     default, grpo, methods = plan.stage("rl-default"), plan.stage("rl-grpo"), plan.stage("rl-methods")
-    for stage in (grpo, methods):
-        assert stage.config.data.train == [str(tmp_path / "curate" / "kept.jsonl")]
-        assert stage.config.curation_dir == str(tmp_path / "curate")
+    assert grpo.config.data.train == [str(tmp_path / "curate" / "kept.jsonl")]
+    assert grpo.config.curation_dir == str(tmp_path / "curate")
     for stage in (default, grpo, methods):
         assert stage.config.bootstrap == boot  # the same cache entry: no second bootstrap
-    # The default trains on the curation's sources as they are, right after the bootstrap.
-    assert default.config.data.train == curate.sources and default.config.curation_dir is None
+    # The default and the DEPO-filtered stack train on the curation's sources as they are (the raw stream).
+    for stage in (default, methods):
+        assert stage.config.data.train == curate.sources and stage.config.curation_dir is None
     assert default.depends_on == ("bootstrap",)
-    # Only the DEPO-filtered variant needs the estimator.
+    # Only the DEPO-filtered variant needs the estimator (and through it the curation).
     assert methods.config.algorithm.depo.estimator_dir == str(tmp_path / "estimator" / "estimator")
-    assert methods.depends_on == ("curate", "train-estimator") and grpo.depends_on == ("curate",)
+    assert methods.depends_on == ("bootstrap", "train-estimator") and grpo.depends_on == ("curate",)
     evaluate = plan.stage("evaluate-grpo").config
     assert (evaluate.policy, evaluate.tokenizer) == (str(tmp_path / "rl/grpo/checkpoints"), str(entry / "tokenizer"))
     assert plan.stage("export-grpo").config == ExportConfig(
