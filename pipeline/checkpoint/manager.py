@@ -5,12 +5,12 @@ readers resolve, verify and load one) is ``pipeline.checkpoint.artifact``.
 
 Layout of one checkpoint (``<directory>/step_00000120/``)::
 
-    weights/               megatron dist_checkpointing: model + optimizer, any TP/PP layout
+    weights/               megatron dist_checkpointing: model + optimizer (which layouts load: below)
     ranks/rank_00003.json  per-rank state: RNG states, learning-rate schedule
     state.json             run state from rank 0 (step, data position, stats, schedulers, ...)
     tensors.safetensors    run tensors from rank 0 (estimator weights, stats arrays, ...)
     manifest.json          written last: every file with its size (and sha256 for small files),
-                           the layout and the layer-spec choice it was saved under
+                           the layout, the layer-spec choice and the optimizer it was saved under
 
 A save writes everything into ``step_00000120.tmp`` and renames it into place
 only after every rank has finished and the manifest is written; ``latest`` (a
@@ -19,6 +19,12 @@ leaves the previous checkpoint and pointer intact. ``load_latest`` checks the
 manifest before trusting a checkpoint and falls back to older ones, saying why.
 Only safetensors, JSON and megatron's weights-only ``torch.load`` are read back:
 no pickle of untrusted files.
+
+Resharding on resume (``check_resume_layout``, from the manifest, before any tensor is read):
+the regular optimizer's state is keyed by parameter and loads under any TP/PP/DP layout; the
+distributed optimizer's loads under any DP size, bit for bit, but only under the TP/PP layout
+that saved it; a change of optimizer kind, or of TP/PP with the distributed optimizer, is refused
+with what to set or which ``winnow convert`` commands to run.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from pickle import UnpicklingError
 from typing import Any, NoReturn
 
 import numpy as np
@@ -52,18 +59,21 @@ from pipeline.checkpoint.artifact import (
     step_dir_name,
     verify_checkpoint,
 )
-from pipeline.errors import CheckpointWriteError
+from pipeline.errors import CheckpointError, CheckpointWriteError
 from pipeline.io import atomic_write_text
 from pipeline.parallel.lifetime import megatron_checkpoint_writers_die_with_this_process
 from pipeline.parallel.rendezvous import all_gather_objects
 
-__all__ = ["CheckpointManager", "LoadedCheckpoint", "capture_rng_state", "restore_rng_state"]
+__all__ = ["CheckpointManager", "LoadedCheckpoint", "capture_rng_state", "check_resume_layout", "restore_rng_state"]
 
 # How megatron lays out a distributed optimizer's state on disk. "dp_reshardable": every DP rank
 # writes its own shard of Adam's moments and fp32 master weights in parallel, with no gather (at 7B
 # on 8 ranks, 12 bytes × 7.6e9 / 8 ≈ 11 GB per rank, never 91 GB on one). Its limit: a resume
-# must keep the TP/PP layout (DP may change). megatron-core 0.16.1's default for this optimizer,
-# "fully_sharded_model_space", raises "ShardedTensor.flattened_range is not supported" at save.
+# must keep the TP/PP layout (DP may change; ``check_resume_layout`` refuses a TP/PP change before
+# loading). Each bucket is one tensor of its unpadded size, and DP only changes how ranks slice it;
+# the buckets themselves do not depend on DP because the actor's DDP does not overlap the grad
+# reduce (megatron sizes buckets by DP only for that overlap). megatron-core 0.16.1's default for
+# this optimizer, "fully_sharded_model_space", raises "ShardedTensor.flattened_range is not supported" at save.
 # The regular (unsharded) optimizer ignores this metadata and stays fully reshardable.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -163,6 +173,108 @@ def _zero_uninitialized_padding(optimizer_state: Any, actor) -> None:
         elif isinstance(node, ShardedTensor) and torch.is_tensor(node.data) and node.data.numel() \
                 and node.data.untyped_storage().data_ptr() not in owned:
             node.data.zero_()
+
+
+def optimizer_record(distributed: bool) -> dict[str, Any]:
+    """The manifest's ``optimizer`` entry: which optimizer saved the checkpoint, and how its state is laid out."""
+    if distributed:
+        return {"distributed": True, "sharding_type": OPTIMIZER_METADATA["distrib_optim_sharding_type"]}
+    return {"distributed": False}
+
+
+def _saved_with_distributed_optimizer(step_dir: Path, manifest: dict[str, Any]) -> bool | None:
+    """Whether ``step_dir`` holds a distributed optimizer's state; ``None`` when it cannot tell.
+
+    The manifest's ``optimizer`` entry, or for a checkpoint saved before the manifest recorded it,
+    megatron's ``weights/common.pt`` (a few KB, read with ``weights_only=True``): the distributed
+    optimizer stores its ``param_state_sharding_type`` there, the regular one its param groups.
+    """
+    recorded = manifest.get("optimizer")
+    if isinstance(recorded, dict) and isinstance(recorded.get("distributed"), bool):
+        return recorded["distributed"]
+    try:
+        common = torch.load(step_dir / WEIGHTS_DIR / "common.pt", map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, UnpicklingError):
+        return None
+    optimizer = common.get("optimizer") if isinstance(common, dict) else None
+    if not isinstance(optimizer, dict):
+        return None  # model weights only (winnow convert hf-to-megatron)
+    return "param_state_sharding_type" in optimizer
+
+
+def _describe_layout(layout: dict[str, Any]) -> str:
+    return f"TP={layout['tensor_parallel']}, PP={layout['pipeline_parallel']}, DP={layout['data_parallel']}"
+
+
+def _optimizer_name(distributed: bool) -> str:
+    return "the distributed optimizer" if distributed else "the regular optimizer"
+
+
+def conversion_commands(step_dir: Path, *, tensor_parallel: int, pipeline_parallel: int) -> tuple[str, Path]:
+    """The ``winnow convert`` commands that rewrite the weights of ``step_dir`` for another TP/PP layout.
+
+    The round trip through Hugging Face (in fp32) re-verifies the logits under the new layout (the
+    logit gate on ``tensor_parallel`` × ``pipeline_parallel`` ranks). Its outputs go beside the run's
+    checkpoint directory; the result holds model weights only, a new run's ``policy``. Returns the
+    commands and that result's directory.
+    """
+    checkpoints = step_dir.parent
+    hf_dir = checkpoints.with_name(f"{checkpoints.name}-{step_dir.name}-hf")
+    new_dir = checkpoints.with_name(f"{checkpoints.name}-tp{tensor_parallel}-pp{pipeline_parallel}")
+    return (f"winnow convert megatron-to-hf --ckpt {step_dir} --out {hf_dir} --dtype fp32 && winnow convert "
+            f"hf-to-megatron --hf {hf_dir} --out {new_dir} --tp {tensor_parallel} --pp {pipeline_parallel}"), new_dir
+
+
+def check_resume_layout(step_dir: Path, *, tensor_parallel: int, pipeline_parallel: int, data_parallel: int,
+                        distributed_optimizer: bool) -> None:
+    """Raise ``CheckpointError`` unless this layout and optimizer can resume from ``step_dir``; reads no tensor.
+
+    What loads: the regular optimizer's state under any TP/PP/DP layout (megatron keys it by
+    parameter), the distributed optimizer's under any DP size at the TP/PP layout that saved it
+    (its buckets are cut by TP/PP; ``tests/checkpoint/test_reshard.py`` checks DP 2 → 1 and 4 bit
+    for bit). What is refused, each with its remedy in the one-line message: a change of optimizer
+    kind (the ``trainer.distributed_optimizer`` value that loads it; its default flips with DP),
+    and another TP/PP layout for a distributed optimizer's checkpoint (resume at the saved TP/PP,
+    or the ``winnow convert`` commands that rewrite the weights for the new layout; the optimizer
+    state, schedule and run state are then not carried). A checkpoint whose manifest records no
+    layout is left to megatron. Cheap: the manifest (and, for a checkpoint saved before the
+    manifest recorded its optimizer, megatron's few-KB ``common.pt``), no collective, the same
+    verdict on every rank.
+    """
+    manifest = json.loads((step_dir / MANIFEST_FILE).read_text())
+    saved = manifest.get("layout")
+    if not isinstance(saved, dict) or not {"tensor_parallel", "pipeline_parallel", "data_parallel"} <= saved.keys():
+        return
+    current = {"tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel,
+               "data_parallel": data_parallel}
+    saved_distributed = _saved_with_distributed_optimizer(step_dir, manifest)
+    same_model_split = all(saved[key] == current[key] for key in ("tensor_parallel", "pipeline_parallel"))
+    saved_with = "" if saved_distributed is None else f" with {_optimizer_name(saved_distributed)}"
+    problem = (f"cannot resume from {step_dir}: it was saved at {_describe_layout(saved)}{saved_with}, this run is at "
+               f"{_describe_layout(current)} with {_optimizer_name(distributed_optimizer)}")
+    # megatron keys the regular optimizer's state by parameter and the distributed optimizer's by bucket.
+    kind_hint = ("one optimizer's state does not load into the other (trainer.distributed_optimizer is on by default "
+                 "when DP > 1)")
+    if saved_distributed is False:
+        if distributed_optimizer:  # the regular optimizer's state then reshards to this TP/PP too
+            raise CheckpointError(f"{problem}; {kind_hint}: set trainer.distributed_optimizer=false to resume")
+        return
+    if same_model_split:
+        if saved_distributed and not distributed_optimizer:
+            raise CheckpointError(f"{problem}; {kind_hint}: set trainer.distributed_optimizer=true to resume")
+        return
+    if saved_distributed is None and not distributed_optimizer:
+        return  # nothing says the checkpoint holds a distributed optimizer's state: megatron reshards the rest
+    commands, new_dir = conversion_commands(step_dir, tensor_parallel=tensor_parallel,
+                                            pipeline_parallel=pipeline_parallel)
+    also = "" if distributed_optimizer else " with trainer.distributed_optimizer=true"
+    raise CheckpointError(
+        f"{problem}; the distributed optimizer's state (Adam moments, fp32 master weights) is stored in buckets of "
+        f"its TP/PP layout, so only DP may change on resume: resume at TP={saved['tensor_parallel']}, "
+        f"PP={saved['pipeline_parallel']} (any DP){also}, or convert the weights to the new layout with `{commands}` "
+        f"and start a new run from them (policy={new_dir}, a new checkpoint.directory); the optimizer state, "
+        f"learning-rate schedule and data position are not carried")
+
 
 class CheckpointManager:
     """Saves and restores checkpoints under one directory; every rank calls every method."""
@@ -267,7 +379,9 @@ class CheckpointManager:
         self._agree(failure, action="writing", final=final, tmp=tmp)
         if self.rank == 0:
             try:
-                self._publish(tmp, final, step, {**actor.checkpoint_metadata(), **(metadata or {})})
+                self._publish(tmp, final, step, {**actor.checkpoint_metadata(),
+                                                 "optimizer": optimizer_record(actor.distributed_optimizer),
+                                                 **(metadata or {})})
             except OSError as error:
                 failure = error
         # A failed publish keeps the complete .tmp (nothing names it; the next save replaces it).
@@ -313,9 +427,13 @@ class CheckpointManager:
 
         A checkpoint saved under megatron's local layer spec (a CPU run) resumes a Transformer
         Engine actor: the module extra states it lacks (TE's norms) keep the actor's own
-        (``load_sharded_weights``); any other missing tensor fails the load.
+        (``load_sharded_weights``); any other missing tensor fails the load. A layout or optimizer
+        that cannot load this checkpoint is refused first, from the manifest (``check_resume_layout``).
         """
         self.verify(path)
+        context = actor.context
+        check_resume_layout(path, tensor_parallel=context.tensor_parallel, pipeline_parallel=context.pipeline_parallel,
+                            data_parallel=context.data_parallel, distributed_optimizer=actor.distributed_optimizer)
         actor.prepare_optimizer_state()
         model_state = actor.module.sharded_state_dict()
         loaded = load_sharded_weights(

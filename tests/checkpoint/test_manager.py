@@ -160,10 +160,11 @@ def test_write_failure_keeps_previous_checkpoint(tmp_path):
     assert steps == [1] and latest == "step_00000001"
 
 
-def test_manifest_records_model_spec_and_layer_spec(saved_checkpoints):
+def test_manifest_records_model_spec_layer_spec_and_optimizer(saved_checkpoints):
     import json
 
     manifest = json.loads((saved_checkpoints / "step_00000003" / "manifest.json").read_text())
     assert manifest["model_spec"]["vocab_size"] == 64 and manifest["model_spec"]["num_layers"] == 2
     assert manifest["layer_spec"]["name"] == "local"
     assert manifest["layout"] == {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 1}
+    assert manifest["optimizer"] == {"distributed": False}  # a resume checks it before loading (test_reshard.py)
