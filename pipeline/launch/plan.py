@@ -483,9 +483,18 @@ def head_buffer_bytes(dims: ModelDims, *, tokens: int, tp: int, trainer: Trainer
 
 
 def micro_batch_tokens(inputs: PlanInputs) -> int:
-    """Tokens of one micro-batch: whole rows of ``seq_length`` up to ``trainer.micro_batch_tokens``."""
-    seq = inputs.seq_length
-    return max(1, inputs.trainer.micro_batch_tokens // seq) * seq
+    """Tokens of the largest micro-batch the trainer can pack: ``trainer.micro_batch_tokens``, or one row of
+    ``seq_length`` when a row is longer.
+
+    The trainer packs rows while rows × longest ≤ ``micro_batch_tokens``
+    (``pipeline.trainer.batch.plan_micro_batches``; with pipeline stages, as many rows of the
+    batch's longest as fit), and responses are shorter than ``max_new_tokens``: at 1,024 prompt
+    + 4,096 new tokens under an 8,192-token budget, one full-length row is 5,120 tokens but
+    three rows of 2,700 are 8,100. Planning whole rows of ``seq_length`` under-planned such
+    layouts by up to 60%. Activations are planned at this many tokens, with attention's
+    per-row terms at ``seq_length`` (an upper bound for rows that are shorter).
+    """
+    return max(inputs.trainer.micro_batch_tokens, inputs.seq_length)
 
 
 def num_micro_batches(inputs: PlanInputs) -> int:

@@ -290,3 +290,26 @@ def test_step_flops_are_pipeline_stats_flops_count():
                                     + 64 * F.generation_flops(cost, prompt_tokens=512, generated_tokens=1024),
                                     rel=1e-12)
     assert P.GPUS["h100"].peak_tflops * 1e12 == F.peak_bf16_flops("NVIDIA H100 80GB HBM3")
+
+
+def test_activations_are_planned_for_the_largest_micro_batch_the_trainer_packs():
+    """Rows shorter than the longest possible pack past whole rows of ``seq_length``: the planner must
+    plan what ``plan_micro_batches`` can really build (up to ``micro_batch_tokens``)."""
+    import torch
+
+    from pipeline.trainer.batch import plan_micro_batches
+
+    inputs = P.PlanInputs(
+        dims=dims("Qwen2.5-Math-7B"), layout=P.Layout(tensor_parallel=4, data_parallel=4),
+        trainer=P.TrainerSettings(micro_batch_tokens=8192),
+        workload=P.Workload(prompts_per_step=64, trained_per_prompt=8, sampled_per_prompt=8, in_flight_per_prompt=8,
+                            prompt_tokens=1024, max_new_tokens=4096, steps=10),
+        cluster=P.Cluster(gpu=P.GPUS["h100"], trainer_nodes=2, gpus_per_node=8))
+    seq = inputs.seq_length
+    assert seq == 5120 and inputs.trainer.micro_batch_tokens == 8192
+    lengths = torch.full((64,), 2700)  # responses of ~1,700 tokens after 1,024-token prompts
+    packed = max(len(rows) * int(lengths[rows].max()) for rows in plan_micro_batches(lengths, max_tokens=8192))
+    assert packed == 8100 > seq  # three rows: more than one full-length row
+    assert P.micro_batch_tokens(inputs) >= packed
+    longer = P.replace(inputs, trainer=P.replace(inputs.trainer, micro_batch_tokens=4096))
+    assert P.micro_batch_tokens(longer) == seq  # a row longer than the budget is a micro-batch of its own
