@@ -32,6 +32,15 @@ from pipeline.launch import plan as planner
 GIB = planner.GIB
 
 
+
+def _sync_assumption(sync: str, assumptions) -> str:
+    """How the plan times the weight push: the transport and the bandwidths it assumes."""
+    return {
+        "distributed": f"distributed: broadcast at {assumptions.sync_broadcast_gbps:g} GB/s",
+        "disk": f"disk: written at {assumptions.checkpoint_write_gbps:g} GB/s, each server reads at "
+                f"{assumptions.server_load_gbps:g} GB/s",
+    }[sync]
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="the policy: a config.json, a Hugging Face folder or a winnow checkpoint directory")
@@ -143,7 +152,7 @@ def format_plan(result: planner.Plan, *, title: str) -> str:
     rows = [("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer"),
             ("activations", "activations"), ("  no recompute", "activations_no_recompute"),
             ("  full recompute", "activations_full_recompute"), ("log-prob head", "head_buffer"),
-            ("reference", "reference_weights")]
+            ("reference", "reference_weights"), ("generator (fp32)", "generator_weights")]
     for label, key in rows:
         lines.append(f"{label:16s}" + "".join(f"{getattr(stage, key) / GIB:10.2f}" for stage in result.stages))
     lines.append(f"{'total':16s}" + "".join(f"{stage.total / GIB:10.2f}" for stage in result.stages))
@@ -168,7 +177,7 @@ def format_plan(result: planner.Plan, *, title: str) -> str:
                  f"response {assumptions.response_fraction:.0%} of max_new_tokens, {cluster.gpu.peak_tflops:.0f} "
                  f"TFLOPS bf16 peak): step {time.step_s:.0f} s (rollout {time.rollout_s:.0f} s, train "
                  f"{time.train_s:.0f} s{', overlapped (rollout.max_staleness=1): the longer' if time.overlapped else ''}"
-                 f", weight sync {time.sync_s:.1f} s ({workload.sync if cluster.rollout_nodes else 'in process'}); "
+                 f", weight sync {time.sync_s:.1f} s ({_sync_assumption(workload.sync, assumptions) if cluster.rollout_nodes else 'in process'}); "
                  f"{time.rollout_flops:.2e} + {time.train_flops:.2e} FLOPs)")
     lines.append(f"run: {workload.steps} steps × {workload.num_runs} run(s) = {result.gpu_hours:,.0f} GPU-hours "
                  f"({result.gpu_hours / (cluster.trainer_gpus + cluster.rollout_gpus):,.1f} h wall)")

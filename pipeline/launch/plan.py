@@ -523,12 +523,17 @@ class MemoryBreakdown:
     activations_full_recompute: int
     head_buffer: int
     reference_weights: int
+    # Without rollout nodes, global rank 0 (pipeline stage 0) generates with an in-process copy of
+    # the policy (``pipeline.rl.setup.build_engine``'s local engine: float32 Hugging Face weights,
+    # 4 bytes a parameter, 28.4 GiB at 7.6B), beside its share of the trainer. Its KV cache
+    # (at most ``rollout.max_batch_rows`` sequences) is not planned.
+    generator_weights: int
     in_flight_micro_batches: int
 
     @property
     def total(self) -> int:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.head_buffer
-                + self.reference_weights)
+                + self.reference_weights + self.generator_weights)
 
 
 def memory_plan(inputs: PlanInputs) -> list[MemoryBreakdown]:
@@ -564,6 +569,7 @@ def memory_plan(inputs: PlanInputs) -> list[MemoryBreakdown]:
             activations_full_recompute=activations("full"),
             head_buffer=head_buffer_bytes(dims, tokens=tokens, tp=tp, trainer=trainer) if last else 0,
             reference_weights=params * weight_bytes if trainer.reference_model else 0,
+            generator_weights=4 * dims.num_parameters() if stage == 0 and not inputs.cluster.rollout_nodes else 0,
             in_flight_micro_batches=in_flight,
         ))
     return stages
@@ -707,7 +713,9 @@ def time_plan(inputs: PlanInputs) -> TimePlan:
     peak = inputs.cluster.gpu.peak_tflops * 1e12
     bubble = pipeline_bubble(inputs.layout.pipeline_parallel, num_micro_batches(inputs))
     train_s = train / (inputs.cluster.trainer_gpus * peak * inputs.assumptions.mfu) / (1 - bubble)
-    rollout_gpus = inputs.cluster.rollout_gpus or inputs.cluster.trainer_gpus
+    # Servers generate on the rollout nodes' GPUs; without any, global rank 0 generates alone with its
+    # in-process copy while the other trainer ranks wait (``MemoryBreakdown.generator_weights``).
+    rollout_gpus = inputs.cluster.rollout_gpus or 1
     rollout_s = rollout / (rollout_gpus * peak * inputs.assumptions.rollout_mfu)
     # Only servers on GPUs of their own generate while the trainer updates; a generator that
     # shares the trainer's GPUs takes its time from the update.

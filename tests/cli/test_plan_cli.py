@@ -40,11 +40,16 @@ def test_plan_prints_the_rollout_clients_requests_in_flight(capsys):
 
 def test_plan_refuses_and_exits_1(capsys):
     code = main(["plan", "--model", str(FIXTURES / "Qwen2.5-Math-7B.json"), "--preset", "d3s_qwen25_math_7b",
-                 "--nodes", "2", "parallel.tensor_parallel=1"])
+                 "--nodes", "2", "--rollout-nodes", "1", "parallel.tensor_parallel=1"])
     out = capsys.readouterr().out
     assert code == 1
     # With the distributed optimizer (on by default at DP > 1) TP=2 already fits.
     assert "verdict: DOES NOT FIT" in out and "smallest fitting layout: TP=2 PP=1 DP=8" in out
+    # Without rollout nodes rank 0 also holds the fp32 generator (28.4 GiB at 7.6B): TP=4 is the smallest.
+    code = main(["plan", "--model", str(FIXTURES / "Qwen2.5-Math-7B.json"), "--preset", "d3s_qwen25_math_7b",
+                 "--nodes", "2", "parallel.tensor_parallel=1"])
+    out = capsys.readouterr().out
+    assert code == 1 and "generator (fp32)     28.37" in out and "smallest fitting layout: TP=4 PP=1 DP=4" in out
 
 
 def _launch_args(**changes) -> argparse.Namespace:

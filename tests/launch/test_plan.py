@@ -313,3 +313,23 @@ def test_activations_are_planned_for_the_largest_micro_batch_the_trainer_packs()
     assert P.micro_batch_tokens(inputs) >= packed
     longer = P.replace(inputs, trainer=P.replace(inputs.trainer, micro_batch_tokens=4096))
     assert P.micro_batch_tokens(longer) == seq  # a row longer than the budget is a micro-batch of its own
+
+
+def test_without_rollout_nodes_rank_0_holds_an_fp32_generator_and_generates_alone():
+    """The real path with no server nodes: rank 0's in-process engine (float32 HF weights) generates every
+    rollout on its one GPU; the plan carries that copy on stage 0 and times generation on one GPU."""
+    workload = P.Workload(prompts_per_step=64, trained_per_prompt=8, sampled_per_prompt=8, in_flight_per_prompt=8,
+                          prompt_tokens=1024, max_new_tokens=3072, steps=10)
+    servers = P.PlanInputs(
+        dims=dims("Qwen2.5-Math-7B"), layout=P.Layout(tensor_parallel=4, pipeline_parallel=2, data_parallel=2),
+        trainer=P.TrainerSettings(), workload=workload,
+        cluster=P.Cluster(gpu=P.GPUS["h100"], trainer_nodes=2, gpus_per_node=8, rollout_nodes=1, servers_per_node=8))
+    alone = P.replace(servers, cluster=P.replace(servers.cluster, rollout_nodes=0))
+    with_servers, without = P.memory_plan(servers), P.memory_plan(alone)
+    assert [stage.generator_weights for stage in with_servers] == [0, 0]
+    assert [stage.generator_weights for stage in without] == [4 * 7_615_616_512, 0]
+    assert without[0].total == with_servers[0].total + 4 * 7_615_616_512
+    rollout_flops = P.time_plan(alone).rollout_flops
+    peak = P.GPUS["h100"].peak_tflops * 1e12
+    assert P.time_plan(alone).rollout_s == pytest.approx(rollout_flops / (peak * alone.assumptions.rollout_mfu))
+    assert P.time_plan(servers).rollout_s == pytest.approx(P.time_plan(alone).rollout_s / 8)
