@@ -133,7 +133,7 @@ def collective_timeout_minutes(*, parallel: ParallelConfig, rollout: RolloutConf
     ``parallel.collective_timeout_min`` set below the sum is refused, naming the fields.
     """
     needed, wait = 1, ""
-    if rollout.engine == "sglang":
+    if rollout.engine in ENGINES_WITH_SERVERS:
         if rollout.batch_timeout_s is not None:
             wait_s, source = rollout.batch_timeout_s, "rollout.batch_timeout_s"
         else:
@@ -446,6 +446,11 @@ class RolloutCorrectionConfig:
     lower: float = option(0.0, ge=0.0, le=1.0, help="mis only: also mask ratios below this")
 
 
+# The rollout engines that generate in servers of their own: the entries of the rollout backends' table with
+# ``servers`` (``pipeline.rollout.backends``, which sits above this floor; a test keeps the two in step).
+ENGINES_WITH_SERVERS = frozenset({"sglang"})
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     engine: Literal["local", "sglang"] = option(
@@ -505,12 +510,12 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.engine == "sglang":
-            _require(bool(self.servers), "servers", "engine=sglang needs at least one server URL")
+        if self.engine in ENGINES_WITH_SERVERS:
+            _require(bool(self.servers), "servers", f"engine={self.engine} needs at least one server URL")
             _require(self.min_servers <= len(self.servers), "min_servers",
                      f"{self.min_servers} exceeds the {len(self.servers)} servers in rollout.servers")
             _require(self.sync != "disk" or self.weights_dir is not None, "weights_dir",
-                     "engine=sglang with sync=disk needs a shared folder for weight syncs")
+                     f"engine={self.engine} with sync=disk needs a shared folder for weight syncs")
         for url in self.servers:
             _require(url.startswith(("http://", "https://")), "servers", f"{url!r} is not an http(s) URL")
 

@@ -2,7 +2,7 @@
 
 winnow is built in floors, each importing only from its own floor and the ones below:
 
-    errors, io → config → algorithms → parallel → models → checkpoint
+    errors, io, registry → config → algorithms → parallel → models → checkpoint
     → data, rewards, stats, trainer, rollout, eval, estimator, rl → stages → launch → cli
 
 The library floor has sub-floors of its own (``SUB_FLOORS``), the same rule inside it:
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Top-level name under ``pipeline`` → its floor (0 is the bottom).
 FLOORS: dict[str, int] = {
-    "errors": 0, "io": 0, "deferred_compile": 0,
+    "errors": 0, "io": 0, "deferred_compile": 0, "registry": 0,
     "configlib": 1, "config": 1, "configdocs": 1, "metrics": 1,
     "algorithms": 2,
     "parallel": 3,

@@ -271,8 +271,9 @@ class Smoke:
         from pipeline.models.tokenizer import encode_prompt
         from pipeline.rl.rollouts import to_train_batch
         from pipeline.rollout.mismatch import logprob_mismatch
-        from pipeline.rollout.sglang_api import SGLangServerSpec
-        from pipeline.rollout.sglang_engine import SGLangEngine
+        from pipeline.rollout.sglang.generation import SGLangEngine
+        from pipeline.rollout.sglang.protocol import SGLangServerSpec
+        from pipeline.rollout.sglang.weights import SGLangWeights
         from pipeline.rollout.types import GenerationRequest, SamplingParams
         from pipeline.trainer.losses import CrossEntropyLoss
 
@@ -316,7 +317,7 @@ class Smoke:
             expect(before < 0.1, f"SGLang vs actor log-probs mean |Δ| {before:.4f} ≥ 0.1")
             for _ in range(2):
                 actor.train_step(self.batch, CrossEntropyLoss())
-            engine.update_weights_from_disk(str(export(2)), version=2)
+            SGLangWeights(engine.pool).load_from_disk(str(export(2)), version=2)
             after = mismatch()
             expect(engine.weight_version == 2 and after < 0.1, f"version {engine.weight_version}, mean |Δ| {after:.4f}")
             return f"mean |Δ| {before:.4f}; after /update_weights_from_disk to version 2: {after:.4f}"

@@ -3,20 +3,17 @@
 Both stages sample n responses per prompt from one fixed policy, grade them in the bounded
 pool and keep the counts, shard by shard, through the same ``RolloutEngine`` RL uses:
 
-* ``policy_engine`` builds the engine a ``rollout`` config block names. ``local``: the
-  policy's HF model in this process (``LocalEngine``). ``sglang``: the running servers
-  (``SGLangEngine``), which first load the policy being scored with
-  ``update_weights_from_disk`` as weight version ``SERVED_WEIGHT_VERSION``: a Hugging Face
-  folder as it is, a winnow checkpoint after one export to HF under ``rollout.weights_dir``
-  (``served_weights``; a later run of the same checkpoint reuses the export). Loading
-  explicitly, rather than trusting what a server was started with, means a server started
-  on the base model scores any checkpoint of the same architecture, and a restarted server
-  cannot silently score other weights;
+* ``policy_engine`` builds the scoring engine of the rollout backend a ``rollout`` config block
+  names (``pipeline.rollout.backends``): the policy's HF model in this process, or servers
+  that first load the policy being scored from a Hugging Face folder: the policy's own, or a
+  winnow checkpoint's one export to HF under ``rollout.weights_dir`` (``served_weights``; a
+  later run of the same checkpoint reuses the export, and a backend without servers never
+  asks for it);
 * ``plan_shards`` cuts the prompts, in order, into shards of ``shard_size``. Each shard samples
   in one engine call under its own seed (``curation_shard_seed``, ``evaluation_shard_seed``),
   which depends on the stage's seed and the shard's position only, so a shard's samples do not
   depend on which shards ran before it or in which process. The SGLang engine seeds every sample
-  from ``(shard seed, prompt id, sample index)`` (``sglang_api.sample_seed``), so a sample is the
+  from ``(shard seed, prompt id, sample index)`` (``sglang.protocol.sample_seed``), so a sample is the
   same whichever server produced it and however often a failed server's work was retried;
   the local engine draws a shard's noise from one generator seeded with the shard seed;
 * ``run_shard`` reads a shard back when its file exists (its prompt ids must be the plan's),
@@ -66,6 +63,7 @@ from pipeline.data.records import Prompt
 from pipeline.data.templates import prompt_token_ids
 from pipeline.errors import UserError
 from pipeline.eval.runner import ProblemResult, sample_and_grade
+from pipeline.rollout.backends import ScoredPolicy, rollout_backend
 from pipeline.rollout.types import RolloutEngine, SamplingParams
 
 Rows = TypeVar("Rows")
@@ -199,9 +197,6 @@ def evaluation_shard_seed(seed: int, benchmark: str, shard_index: int) -> int:
 
 # ================================================================ engines
 
-# The label of the scored weights on the servers: above the version 0 a server starts with,
-# so every completion says it came from the policy this stage loaded.
-SERVED_WEIGHT_VERSION = 1
 _EXPORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -234,35 +229,24 @@ def served_weights(policy, *, weights_dir: str | None, dtype: str) -> Path:
 def policy_engine(
     rollout: RolloutConfig, policy, *, dtype: str, max_batch_rows: int = 256, show_progress: bool = True
 ) -> RolloutEngine:
-    """The engine ``rollout`` names, generating from ``policy`` (see the module docstring).
+    """The scoring engine of the backend ``rollout.engine`` names, generating from ``policy``.
 
-    ``local`` needs the policy's weights in this process; ``sglang`` needs only its tokenizer
-    and config (``load_policy(weights=False)``) and leaves the servers running on ``close``.
+    Whether it needs the policy's weights in this process is the backend's
+    ``scoring_loads_weights`` (else ``load_policy(weights=False)`` is enough); servers load
+    ``served_weights(policy)`` exported in ``dtype``, and are left running on ``close``.
     """
-    if rollout.engine == "sglang":
-        from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
-
-        folder = served_weights(policy, weights_dir=rollout.weights_dir, dtype=dtype)
-        engine = SGLangEngine.attach(rollout.servers,
-                                     config=SGLangClientConfig.from_rollout(rollout, show_progress=show_progress))
-        try:
-            engine.update_weights_from_disk(str(folder), version=SERVED_WEIGHT_VERSION)
-        except BaseException:
-            engine.close()
-            raise
-        return engine
-    return _local_engine(policy, max_batch_rows=max_batch_rows, show_progress=show_progress)
+    served = scored_policy(policy, served_folder=lambda: served_weights(policy, weights_dir=rollout.weights_dir,
+                                                                         dtype=dtype))
+    return rollout_backend(rollout.engine).scoring_engine(rollout, served, max_batch_rows=max_batch_rows,
+                                                          show_progress=show_progress)
 
 
-def _local_engine(policy, *, max_batch_rows: int, show_progress: bool) -> RolloutEngine:
+def scored_policy(policy, *, served_folder: Callable[[], Path] | None = None) -> ScoredPolicy:
+    """What a scoring engine needs of a ``LoadedPolicy``: its model, stop tokens, pad token and served folder."""
     from pipeline.models.tokenizer import pad_token_id
-    from pipeline.rollout.local import LocalEngine
 
-    if policy.hf_model is None:
-        raise ConfigError("rollout.engine: local generates in this process and needs the policy's weights")
-    return LocalEngine(policy.hf_model, eos_token_ids=stop_token_ids(policy),
-                       pad_token_id=pad_token_id(policy.tokenizer), max_batch_rows=max_batch_rows,
-                       show_progress=show_progress)
+    return ScoredPolicy(hf_model=policy.hf_model, eos_token_ids=tuple(stop_token_ids(policy)),
+                        pad_token_id=pad_token_id(policy.tokenizer), served_folder=served_folder)
 
 
 # ================================================================ shards
@@ -294,8 +278,8 @@ class ShardSampler:
 
     ``grading_pool``: returns the running ``GradingPool`` (a stage may start it on first use).
     ``build_engine``: returns the engine to generate with, called once, on the first shard
-    that needs sampling (default: the local engine over ``policy.hf_model``). ``close`` closes
-    an engine it built.
+    that needs sampling (default: the scoring engine of a default ``rollout`` block's backend,
+    the local engine over ``policy.hf_model``). ``close`` closes an engine it built.
     """
 
     def __init__(
@@ -307,8 +291,9 @@ class ShardSampler:
         self.options = options
         self.stop_token_ids = tuple(stop_token_ids(policy))
         self._grading_pool = grading_pool
-        self._build_engine = build_engine or (
-            lambda: _local_engine(policy, max_batch_rows=max_batch_rows, show_progress=show_progress))
+        default = RolloutConfig()
+        self._build_engine = build_engine or (lambda: rollout_backend(default.engine).scoring_engine(
+            default, scored_policy(policy), max_batch_rows=max_batch_rows, show_progress=show_progress))
         self._engine: RolloutEngine | None = None
 
     @property

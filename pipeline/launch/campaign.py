@@ -129,10 +129,6 @@ class RolloutServers:
                               "config.rollout.max_running_requests_per_server (the client's limit follows it)")
 
 
-# `RolloutServers.server` → the module its servers run as (`python -m MODULE` with SGLang's flags).
-SERVER_MODULES = {"sglang": "sglang.launch_server", "standin": "pipeline.cli.standin"}
-
-
 @dataclass(kw_only=True, slots=True)
 class Resources:
     """What one stage runs on. Trainer ranks: ``nodes × ranks_per_node`` processes under torchrun."""

@@ -524,7 +524,7 @@ class MemoryBreakdown:
     head_buffer: int
     reference_weights: int
     # Without rollout nodes, global rank 0 (pipeline stage 0) generates with an in-process copy of
-    # the policy (``pipeline.rl.setup.build_engine``'s local engine: float32 Hugging Face weights,
+    # the policy (the local rollout backend's ``trainer_engine``: float32 Hugging Face weights,
     # 4 bytes a parameter, 28.4 GiB at 7.6B), beside its share of the trainer. Its KV cache
     # (at most ``rollout.max_batch_rows`` sequences) is not planned.
     generator_weights: int

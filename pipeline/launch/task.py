@@ -17,7 +17,7 @@ writes, which calls one of three roles:
   group whose collective timeout is ``pipeline.config.collective_timeout_minutes``.
   torchrun exits 1 whatever its failed rank exited with, so a rank that fails with a
   user error also leaves a line in the node's rank-exit folder, and the node exits 2.
-* ``serve``: one per rollout node; runs its SGLang servers under a ``Supervisor``
+* ``serve``: one per rollout node; runs its rollout servers under a ``Supervisor``
   (``pipeline.rollout.supervise``: a dead or hung server is restarted, one that fails past
   ``rollout.max_server_failures`` retired) until the first trainer node marks the attempt
   finished. Servers serve rl, curate and evaluate stages alike; the stage's ``rollout`` block
@@ -107,31 +107,32 @@ def rollout_urls(stage: Stage, *, hosts: Sequence[str]) -> list[str]:
             for index in range(rollout.servers_per_node)]
 
 
-def sglang_server_commands(stage: Stage, *, host: str, python: str = sys.executable) -> list[list[str]]:
-    """One ``sglang.launch_server`` command per server of a rollout node, on disjoint GPUs.
+def server_commands(stage: Stage, *, host: str, python: str = sys.executable) -> list[list[str]]:
+    """One command per server of a rollout node, on disjoint GPUs (``RolloutBackend.serve_command``).
 
     Servers bind ``host``, the node's own name — the address in the URLs the trainer
     uses — not every interface: SGLang's admin endpoints (weight loading, memory release)
     have no authentication. Co-located servers take the GPUs after the trainer's ranks.
-    ``rollout.server`` picks the program (SGLang, or the CPU stand-in of a rehearsal). Each runs
-    at most the stage's ``config.rollout.max_running_requests_per_server`` sequences at once, the
-    number the trainer's client derives its in-flight limit from.
+    ``rollout.server`` picks the program (SGLang, or the CPU stand-in of a rehearsal), and with
+    it the backend whose flags it takes. Each runs at most the stage's
+    ``config.rollout.max_running_requests_per_server`` sequences at once, the number the
+    trainer's client derives its in-flight limit from.
     """
-    from pipeline.launch.campaign import SERVER_MODULES
+    from pipeline.rollout.backends import ServerLaunch, serving_backend
 
     rollout = stage.resources.rollout
     assert rollout is not None
     cfg = stage.config
+    backend = serving_backend(rollout.server)
     # The servers' own HF folder when the trainer's policy is its converted checkpoint.
     model_path = rollout.model_path or cfg.policy
     tokenizer = rollout.model_path or cfg.tokenizer or cfg.policy
     first_gpu = stage.resources.ranks_per_node if rollout.colocated else 0
     return [
-        [python, "-m", SERVER_MODULES[rollout.server], "--model-path", model_path,
-         "--tokenizer-path", tokenizer, "--host", host, "--port", str(rollout.port + index),
-         "--tp-size", str(rollout.tensor_parallel),
-         "--base-gpu-id", str(first_gpu + index * rollout.tensor_parallel),
-         "--max-running-requests", str(cfg.rollout.max_running_requests_per_server), *rollout.extra_args]
+        backend.serve_command(rollout.server, ServerLaunch(
+            python=python, model_path=model_path, tokenizer=tokenizer, host=host, port=rollout.port + index,
+            tensor_parallel=rollout.tensor_parallel, base_gpu_id=first_gpu + index * rollout.tensor_parallel,
+            max_running_requests=cfg.rollout.max_running_requests_per_server, extra_args=tuple(rollout.extra_args)))
         for index in range(rollout.servers_per_node)
     ]
 
@@ -197,15 +198,21 @@ def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, p
 
 
 def with_servers(stage: Stage, servers: Sequence[str]) -> Stage:
-    """The stage (rl, curate or evaluate) generating through ``servers`` (SGLang) instead of the local engine."""
+    """The stage (rl, curate or evaluate) generating through ``servers``, the rollout servers of its
+    ``resources.rollout``, with the backend their program serves, instead of the local engine."""
     if not servers:
         return stage
+    from pipeline.rollout.backends import serving_backend
+
+    if stage.resources.rollout is None:
+        raise ValueError(f"stage {stage.name}: rollout servers {list(servers)} but no resources.rollout")
+    backend = serving_backend(stage.resources.rollout.server)
     cfg = stage.config
     # rl syncs its weights, curate and evaluate export a winnow checkpoint once, through a folder the
     # servers read: the stage's output directory is on the shared filesystem.
     output_dir = cfg.logging.output_dir if stage.kind == "rl" else cfg.output_dir
-    weights_dir = cfg.rollout.weights_dir or str(Path(output_dir) / "sglang_weights")
-    rollout = dataclasses.replace(cfg.rollout, engine="sglang", servers=list(servers), weights_dir=weights_dir)
+    weights_dir = cfg.rollout.weights_dir or str(Path(output_dir) / f"{backend.name}_weights")
+    rollout = dataclasses.replace(cfg.rollout, engine=backend.name, servers=list(servers), weights_dir=weights_dir)
     return dataclasses.replace(stage, config=dataclasses.replace(cfg, rollout=rollout))
 
 
@@ -390,7 +397,7 @@ def run_role(role: str, *, campaign_dir: str, stage_name: str, launcher: Sequenc
             # Started in the background by the first node's script, which then becomes the node role:
             # the servers go with it (a kill -9 of the node role leaves no server behind).
             exit_with_parent(parent_pid=None)
-        return serve(sglang_server_commands(stage, host=host), done_marker=_done_marker(plan, stage),
+        return serve(server_commands(stage, host=host), done_marker=_done_marker(plan, stage),
                      token=_attempt_token(),
                      urls=[f"http://{host}:{servers.port + i}" for i in range(servers.servers_per_node)],
                      max_restarts=rollout.max_server_failures, health_timeout_s=rollout.health_timeout_s,

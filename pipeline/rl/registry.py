@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipeline.registry import Registry as NamedTable
+
 if TYPE_CHECKING:
     from pipeline.config import AlgorithmConfig
     from pipeline.rl.rollouts import RolloutBatch
@@ -93,31 +95,9 @@ class Method:
 Factory = Callable[["AlgorithmConfig", MethodSetting], Method]
 
 
-class Registry:
-    """A named table of method factories; an unknown name fails with the allowed ones listed."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._entries: dict[str, Factory] = {}
-
-    def add(self, name: str, factory: Factory) -> Factory:
-        if name in self._entries:
-            raise ValueError(f"{self.kind} {name!r} is registered twice")
-        self._entries[name] = factory
-        return factory
-
-    def register(self, name: str) -> Callable[[Factory], Factory]:
-        return lambda factory: self.add(name, factory)
+class Registry(NamedTable[Factory]):
+    """A named table of method factories (``pipeline.registry.Registry``); an unknown name fails with the
+    allowed ones listed."""
 
     def build(self, name: str, cfg: AlgorithmConfig, setting: MethodSetting) -> Method:
-        try:
-            factory = self._entries[name]
-        except KeyError:
-            raise ValueError(f"unknown {self.kind} {name!r}; choose one of {sorted(self._entries)}") from None
-        return factory(cfg, setting)
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return self.get(name)(cfg, setting)

@@ -18,7 +18,7 @@ import torch
 from pipeline import configlib
 from pipeline.checkpoint.artifact import load_weights
 from pipeline.checkpoint.manager import CheckpointManager
-from pipeline.config import RLConfig, RolloutConfig
+from pipeline.config import RLConfig
 from pipeline.data import Prompt, load_prompts
 from pipeline.data.sources import parse_spec
 from pipeline.data.templates import prompt_token_ids
@@ -30,6 +30,7 @@ from pipeline.rl.registry import MethodSetting
 from pipeline.rl.rollouts import RolloutBatch
 from pipeline.rl.sampling import Sampled, Sampling, SelectedPrompts, build_sampling
 from pipeline.rl.stream import PromptStream
+from pipeline.rollout.backends import rollout_backend
 from pipeline.stats.store import PromptStatsStore
 from pipeline.trainer.actor import Actor
 
@@ -163,7 +164,7 @@ class Run:
     context: Any
     actor: Actor
     reference: Actor | None  # frozen initial policy for the KL term, when algorithm.kl_coef > 0
-    engine: Any  # None on every rank but global rank 0
+    engine: Any  # the rollout backend's trainer_engine on global rank 0; None on every other rank
     # The grading pool: only where grading happens, global rank 0 (it grades every rollout and the
     # held-out evaluation; the other ranks receive the graded samples). reward.num_workers
     # processes: 32 per rank would be 512 idle processes on 2 × 8 GPUs.
@@ -252,46 +253,6 @@ def load_eval_prompts(cfg: RLConfig) -> list[Prompt]:
     return prompts
 
 
-def build_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer, tokenizer_dir: Path):
-    """Global rank 0's rollout engine, wrapped in its weight-sync transport (``pipeline.rollout.weight_sync``).
-
-    ``engine=local``: the in-process HF engine, synced in process; with ``max_staleness=1`` the same
-    engine in a process of its own (``pipeline.rollout.process_engine``), so it generates while the
-    trainer updates. ``engine=sglang``: SGLang
-    servers, synced through ``weights_dir`` (``sync=disk``) or by broadcast over an update
-    group (``sync=distributed``: NCCL with CUDA, else gloo). Stop tokens travel with each
-    request (``SamplingParams.stop_token_ids``); the local engine's own EOS is the tokenizer's as well."""
-    from pipeline.rollout import weight_sync
-
-    bucket_bytes = cfg.sync_bucket_mb * weight_sync.MB
-    if cfg.engine == "sglang":
-        from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
-
-        engine = SGLangEngine(cfg.servers, config=SGLangClientConfig.from_rollout(cfg))
-        if cfg.sync == "distributed":
-            return weight_sync.DistributedSyncedEngine(
-                engine, bucket_bytes=bucket_bytes, backend="nccl" if torch.cuda.is_available() else "gloo",
-                master_address=weight_sync.update_group_address(cfg.servers),
-                server_ranks=cfg.server_tensor_parallel, timeout_s=engine.config.admin_timeout_s)
-        return weight_sync.DiskSyncedEngine(engine, weights_dir=cfg.weights_dir, spec=spec,
-                                            tokenizer_dir=tokenizer_dir, bucket_bytes=bucket_bytes)
-    if cfg.max_staleness > 0:
-        from pipeline.rollout.process_engine import ProcessEngine, ProcessSyncedEngine, split_threads
-
-        # The two processes overlap while the engine generates ahead: each keeps to its share of the cores.
-        trainer_threads, engine_threads = split_threads()
-        engine = ProcessEngine(spec, eos_token_ids=tokenizer.eos_token_id, pad_token_id=pad_token_id(tokenizer),
-                               num_threads=engine_threads)
-        return ProcessSyncedEngine(engine, bucket_bytes=bucket_bytes, trainer_threads=trainer_threads)
-    from pipeline.rollout.local import LocalEngine
-
-    # On a GPU machine the in-process engine decodes on this rank's GPU (rank 0), as evaluation's does.
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    engine = LocalEngine(weight_sync.build_hf_model(spec).to(device), eos_token_ids=tokenizer.eos_token_id,
-                         pad_token_id=pad_token_id(tokenizer), show_progress=False)
-    return weight_sync.LocalSyncedEngine(engine, bucket_bytes=bucket_bytes)
-
-
 def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, batch_source: Callable[[Run], BatchSource],
               curation=None) -> Run:
     """Build the run (actor, engine, data, methods, statistics) and resume it from its newest checkpoint.
@@ -337,10 +298,11 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, batch_source: Ca
     if cfg.algorithm.kl_coef > 0:
         reference = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=None, seed=cfg.seed)
         load_weights(policy.weights, reference.module)
+    # Only global rank 0 drives the engine; the other ranks receive its graded samples.
+    engine = rollout_backend(cfg.rollout.engine).trainer_engine(
+        cfg.rollout, spec=spec, tokenizer=tokenizer, tokenizer_dir=policy.tokenizer_dir) if context.rank == 0 else None
     run = Run(
-        cfg=cfg, context=context, actor=actor, reference=reference,
-        # Only global rank 0 drives the engine; the other ranks receive its graded samples.
-        engine=build_engine(cfg.rollout, spec=spec, tokenizer=tokenizer, tokenizer_dir=policy.tokenizer_dir) if context.rank == 0 else None,
+        cfg=cfg, context=context, actor=actor, reference=reference, engine=engine,
         pool=GradingPool(**cfg.reward.pool_kwargs()) if context.rank == 0 else None, tokenizer=tokenizer, pad_token_id=pad_token_id(tokenizer),
         stop_token_ids=stop_token_ids(tokenizer, folders=[policy.tokenizer_dir]), prompts=prompts,
         prompt_token_ids=encoded_prompts, eval_prompts=eval_prompts, methods=methods, sampling=sampling,

@@ -1,7 +1,8 @@
-"""Rollout engines: the ``RolloutEngine`` protocol, the in-process HF engine, the SGLang client.
+"""Rollout engines: the ``RolloutEngine`` and ``WeightSink`` protocols, the in-process HF engine, the SGLang client.
 
-Records, the protocol and the mismatch metrics import eagerly; the engines import
-lazily (``LocalEngine`` pulls in ``transformers``, ``SGLangEngine`` ``httpx``), so
+Which engine a run uses is the rollout backends' table (``pipeline.rollout.backends``). Records,
+the protocols and the mismatch metrics import eagerly; the engines import lazily
+(``LocalEngine`` pulls in ``transformers``, ``SGLangEngine`` ``httpx``), so
 ``import pipeline.rollout`` stays cheap.
 """
 
@@ -18,12 +19,14 @@ from pipeline.rollout.types import (
     RolloutEngine,
     RolloutError,
     SamplingParams,
+    WeightSink,
 )
 
 if TYPE_CHECKING:
     from pipeline.rollout.local import LocalEngine
-    from pipeline.rollout.sglang_api import SGLangServerSpec
-    from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
+    from pipeline.rollout.sglang.client import SGLangClientConfig
+    from pipeline.rollout.sglang.generation import SGLangEngine
+    from pipeline.rollout.sglang.protocol import SGLangServerSpec
 
 __all__ = [
     "Completion",
@@ -36,14 +39,15 @@ __all__ = [
     "SGLangEngine",
     "SGLangServerSpec",
     "SamplingParams",
+    "WeightSink",
     "logprob_mismatch",
 ]
 
 _LAZY = {
     "LocalEngine": "pipeline.rollout.local",
-    "SGLangEngine": "pipeline.rollout.sglang_engine",
-    "SGLangClientConfig": "pipeline.rollout.sglang_engine",
-    "SGLangServerSpec": "pipeline.rollout.sglang_api",
+    "SGLangEngine": "pipeline.rollout.sglang.generation",
+    "SGLangClientConfig": "pipeline.rollout.sglang.client",
+    "SGLangServerSpec": "pipeline.rollout.sglang.protocol",
 }
 
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import httpx
 
 from pipeline.parallel.lifetime import exit_with_parent_preexec
-from pipeline.rollout.sglang_api import HEALTH_GENERATE_PATH
+from pipeline.rollout.sglang.protocol import HEALTH_GENERATE_PATH
 
 __all__ = ["ServerCommand", "Supervisor"]
 

@@ -1,4 +1,4 @@
-"""Typed records and the ``RolloutEngine`` protocol: what the trainer asks for and gets back.
+"""Typed records and the ``RolloutEngine`` and ``WeightSink`` protocols: what the trainer asks for and gets back.
 
 The trainer never cares where rollouts come from. It hands an engine a list of
 ``GenerationRequest`` (one prompt's token ids and how many samples it wants) and
@@ -22,6 +22,11 @@ Contract every engine keeps (tested for both ``LocalEngine`` and ``SGLangEngine`
   unset). With ``temperature == 0`` (greedy) both engines report the log-probs of
   the unscaled distribution (``temperature`` 1), as SGLang does;
 * ``weight_version`` is the version of the weights that produced the completion.
+
+A ``WeightSink`` is where a weight sync delivers the actor's weights when they leave the
+trainer's processes (``pipeline.rollout.weight_sync``): a folder every receiver reads, or a
+stream of buckets. Each rollout backend with servers implements it (the SGLang one:
+``pipeline.rollout.sglang.weights``); the in-process engine needs none.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ __all__ = [
     "RolloutEngine",
     "RolloutError",
     "SamplingParams",
+    "WeightSink",
     "check_requests",
 ]
 
@@ -155,8 +161,8 @@ class Completion:
 class RolloutEngine(Protocol):
     """Anything that turns prompts into completions; see the module docstring for the contract.
 
-    Weight synchronisation is engine specific (an in-process copy for ``LocalEngine``;
-    disk, tensor handles or NCCL for ``SGLangEngine``), so it is not part of the protocol.
+    Weight synchronisation is not part of it: the in-process ``LocalEngine`` takes a copy of the
+    weights itself, servers take them through a ``WeightSink``.
     """
 
     @property
@@ -165,6 +171,38 @@ class RolloutEngine(Protocol):
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Completion]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """Receivers of the actor's weights: a folder to load, or a streamed update, bucket by bucket.
+
+    A streamed update is ``begin_update``, one ``send_bucket`` per bucket of the export
+    (``pipeline.rollout.weight_export``), then ``end_update`` once, also after a failure. A
+    failed delivery raises ``RolloutError``; the receivers keep their version until an update
+    completes. Versions only grow: an update to a version not above the current one is a
+    ``ValueError``.
+    """
+
+    def load_from_disk(self, folder: str, *, version: int) -> None:
+        """Every receiver loads the Hugging Face folder ``folder`` (readable by all of them) as ``version``."""
+        ...
+
+    def begin_update(self, *, version: int) -> None:
+        """Ready every receiver for the buckets of ``version``."""
+        ...
+
+    def send_bucket(self, bucket: Sequence[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Deliver one bucket of HF-named full tensors to every receiver of the open update."""
+        ...
+
+    def end_update(self, *, version: int, completed: bool) -> None:
+        """Close the update; if ``completed``, every receiver serves ``version`` from now on."""
+        ...
+
+    def close(self) -> None:
+        """Release what the sink holds on the trainer's side (a broadcast group)."""
+        ...
 
 
 def check_requests(requests: Sequence[GenerationRequest]) -> int:

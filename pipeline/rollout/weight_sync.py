@@ -7,36 +7,30 @@ its own layers inside its TP group, through the one HF⇄Megatron map
 where the model is its shard) or more than about two buckets beyond its shard; see that
 module for the bound and the sizes at 7B.
 
-Global rank 0 holds the engine, wrapped in the transport that ``rollout.engine`` and
-``rollout.sync`` name (``pipeline.rl.setup.build_engine``); ``sync_actor_to_engine`` is the
-one call, made by every rank. Rank 0 first broadcasts the sync's ``SyncPlan`` (a few bytes),
-so the other ranks, which hold no engine, know their part.
+Global rank 0 holds the engine, wrapped in the transport its rollout backend chose
+(``pipeline.rollout.backends``, ``trainer_engine``); ``sync_actor_to_engine`` is the one
+call, made by every rank. Rank 0 first broadcasts the sync's ``SyncPlan`` (a few bytes), so
+the other ranks, which hold no engine, know their part. Weights that leave the trainer's
+processes go to a ``WeightSink`` (``pipeline.rollout.types``), whatever receives them.
 
-* ``LocalSyncedEngine`` (``engine=local``): the in-process Hugging Face engine. The buckets
-  reach rank 0 (later stages' through the point-to-point relay) and are copied into the
-  engine's model: device to device when it lives on the buckets' GPU, else through one
-  bucket's CPU copy at a time (the process engine's children read host shared memory).
+* ``LocalSyncedEngine`` (the in-process engine): the buckets reach rank 0 (later stages'
+  through the point-to-point relay) and are copied into the engine's model: device to
+  device when it lives on the buckets' GPU, else through one bucket's CPU copy at a time
+  (the process engine's children read host shared memory).
 * ``DiskSyncedEngine`` (``sync=disk``): every stage's source rank writes its own buckets as
   ``model-ppSSS-KKKKK.safetensors`` into one staging folder under ``weights_dir``; after all
   stages wrote (their file lists gathered on rank 0, a few kB), rank 0 alone writes
   ``model.safetensors.index.json``, ``config.json``, ``generation_config.json`` and the
-  tokenizer, publishes the folder as ``v<version>`` with one rename (``pipeline.io``) and asks
-  every server to load it (``update_weights_from_disk``). The previous export is removed once
-  the servers run the new one. For trainers and servers that share only a filesystem.
-* ``DistributedSyncedEngine`` (``sync=distributed``): SGLang's own sequence. Once, rank 0
-  forms an update group with every live server (``init_weights_update_group``: rank 0 is
-  group rank 0, server ``i`` takes ranks ``1 + i·server_tensor_parallel …``). Per sync: one
-  weight-update session; per bucket, ``update_weights_from_distributed`` announces the
-  names, dtypes and shapes while rank 0 broadcasts the tensors in that order over the
-  group (NCCL on GPU, gloo on CPU); at the end the servers flush their caches and take the
-  new version label. If the group breaks (a server died), the sync drains the remaining
-  buckets so every trainer rank finishes its part, closes the group and raises one
-  ``RolloutError``; the next sync forms a new group with the servers still alive. A server
-  that was restarted (``pipeline.rollout.supervise``) and is healthy again waits, without
-  requests, for the next sync, which forms a new group with it and brings it to the current
-  weights. Bytes per sync at 7B: 15.2 GB out of rank 0 to every server, once.
-* A restarted server under ``sync=disk`` needs no sync: the engine has it load the newest
-  ``v<version>`` folder (``update_weights_from_disk``) before it gets requests again.
+  tokenizer, publishes the folder as ``v<version>`` with one rename (``pipeline.io``) and has
+  the sink load it (``WeightSink.load_from_disk``). The previous export is removed once the
+  receivers run the new one. For trainers and servers that share only a filesystem.
+* ``DistributedSyncedEngine`` (``sync=distributed``): the buckets stream to the sink as rank 0
+  receives them: ``begin_update``, one ``send_bucket`` per bucket, ``end_update``. If a
+  delivery fails (a server died), the sync drains the remaining buckets so every trainer rank
+  finishes its part, ends the update incomplete and raises one ``RolloutError``; the next
+  sync starts a new update (for SGLang: a new update group with the servers still up,
+  ``pipeline.rollout.sglang.weights``). Bytes per sync at 7B: 15.2 GB out of rank 0 to every
+  server, once.
 
 ``actor_hf_state`` gives the same stream as ``(name, tensor)`` pairs on rank 0, for tools
 that copy the weights somewhere themselves.
@@ -46,14 +40,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlparse
 
 import torch
 
@@ -63,9 +53,8 @@ from pipeline.checkpoint.hf_map import expected_hf_shapes
 from pipeline.errors import CheckpointError
 from pipeline.io import publish_directory
 from pipeline.models.spec import ModelSpec
-from pipeline.parallel.rendezvous import free_port
-from pipeline.parallel.weight_transfer import UpdateGroup, export_role, sync_broadcast, sync_gather
-from pipeline.rollout.types import RolloutError
+from pipeline.parallel.weight_transfer import export_role, sync_broadcast, sync_gather
+from pipeline.rollout.types import RolloutError, WeightSink
 from pipeline.rollout.weight_export import Bucket, stage_buckets, stream_to_rank0
 
 __all__ = [
@@ -73,10 +62,10 @@ __all__ = [
     "DistributedSyncedEngine",
     "LocalSyncedEngine",
     "SyncPlan",
+    "SyncedEngine",
     "actor_hf_state",
     "build_hf_model",
     "sync_actor_to_engine",
-    "update_group_address",
 ]
 
 MB = 1024**2
@@ -147,8 +136,8 @@ def actor_hf_state(actor, *, bucket_bytes: int = 256 * MB) -> Iterator[tuple[str
     return None
 
 
-class _Wrapped:
-    """Generation and lifetime pass through to the wrapped engine."""
+class SyncedEngine:
+    """A rollout engine wrapped in its weight-sync transport; generation and lifetime pass through."""
 
     def __init__(self, engine, *, bucket_bytes: int) -> None:
         if bucket_bytes < 1:
@@ -164,7 +153,7 @@ class _Wrapped:
         return self.engine.weight_version
 
     def metrics(self) -> dict[str, float]:
-        """The wrapped engine's server metrics (``SGLangEngine.metrics``); {} for an engine without them."""
+        """The wrapped engine's own metrics (a server client's counts by state); {} for an engine without them."""
         metrics = getattr(self.engine, "metrics", None)
         return metrics() if metrics is not None else {}
 
@@ -174,7 +163,7 @@ class _Wrapped:
             close()
 
 
-class LocalSyncedEngine(_Wrapped):
+class LocalSyncedEngine(SyncedEngine):
     """The in-process engine; each sync copies the streamed buckets into its model.
 
     Where the copy goes through (``staging_device``): an in-process ``LocalEngine`` takes
@@ -233,12 +222,13 @@ def _write_stage_files(actor, folder: Path, *, bucket_bytes: int) -> list[tuple[
     return written
 
 
-class DiskSyncedEngine(_Wrapped):
-    """An SGLang engine whose weights follow the actor through a folder every server can read."""
+class DiskSyncedEngine(SyncedEngine):
+    """An engine whose weights follow the actor through a folder its ``sink``'s receivers can all read."""
 
-    def __init__(self, engine, *, weights_dir: str | Path, spec: ModelSpec, tokenizer_dir: str | Path,
-                 bucket_bytes: int) -> None:
+    def __init__(self, engine, *, sink: WeightSink, weights_dir: str | Path, spec: ModelSpec,
+                 tokenizer_dir: str | Path, bucket_bytes: int) -> None:
         super().__init__(engine, bucket_bytes=bucket_bytes)
+        self.sink = sink
         self.weights_dir = Path(weights_dir)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self.spec = spec
@@ -287,125 +277,45 @@ class DiskSyncedEngine(_Wrapped):
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        self.engine.update_weights_from_disk(str(export), version=version)
+        self.sink.load_from_disk(str(export), version=version)
         if self._current is not None and self._current != export:
             shutil.rmtree(self._current, ignore_errors=True)
         self._current = export
         return export
 
 
-def update_group_address(server_urls: list[str]) -> str:
-    """The address servers reach the trainer's rank 0 at: loopback when every server is local."""
-    hosts = {urlparse(url).hostname for url in server_urls}
-    if hosts <= {"127.0.0.1", "localhost", "::1"}:
-        return "127.0.0.1"
-    return socket.gethostname()
+class DistributedSyncedEngine(SyncedEngine):
+    """An engine whose weights stream to its ``sink`` bucket by bucket, as rank 0 receives them."""
 
-
-class DistributedSyncedEngine(_Wrapped):
-    """An SGLang engine whose weights arrive by broadcast over an update group led by this rank."""
-
-    def __init__(self, engine, *, bucket_bytes: int, backend: str, master_address: str, server_ranks: int,
-                 timeout_s: float) -> None:
+    def __init__(self, engine, *, sink: WeightSink, bucket_bytes: int) -> None:
         super().__init__(engine, bucket_bytes=bucket_bytes)
-        self.backend = backend
-        self.master_address = master_address
-        self.server_ranks = server_ranks
-        self.timeout_s = timeout_s
-        self._group: UpdateGroup | None = None
-        self._members: list[tuple[str, int]] = []  # (URL, failures so far) of the servers in the current group
-        self._left_behind: list[tuple[str, list[tuple[str, int]]]] = []  # closed groups' (name, members)
-        self._groups_formed = 0
-        self._name_prefix = uuid.uuid4().hex[:8]
+        self.sink = sink
 
     def plan(self, version: int) -> SyncPlan:
         return SyncPlan(transport="distributed", bucket_bytes=self.bucket_bytes)
 
-    def _connect(self) -> UpdateGroup:
-        failures = self.engine.server_failures
-        members = [(url, failures[url]) for url in self.engine.servers_to_sync]
-        if self._group is not None and members == self._members:
-            return self._group
-        # A member failed since the group formed (a restarted process is no member of it) or left:
-        # a new group. The members that stayed up leave the old one first, so a server holds one
-        # group (one communicator's buffers) however many failures a campaign sees.
-        self._disconnect()
-        for name, old_members in self._left_behind:
-            survivors = [url for url, failed_before in old_members if failures.get(url) == failed_before]
-            self.engine.destroy_weights_update_group(name, urls=survivors)
-        self._left_behind = []
-        world_size = 1 + len(members) * self.server_ranks
-        port = free_port()
-        # Named for this trainer process too: a server that outlived an earlier trainer (a relaunch on live
-        # servers) may still hold that trainer's group of the same number, and SGLang refuses a second one.
-        name = f"winnow-weights-{self._name_prefix}-{self._groups_formed}"
-        self._groups_formed += 1
-        # The servers answer init_weights_update_group only once every member joined, this rank too.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(self.engine.init_weights_update_group, master_address=self.master_address,
-                                 master_port=port, world_size=world_size, ranks_per_server=self.server_ranks,
-                                 group_name=name, backend=self.backend)
-            group = UpdateGroup.join(master_address=self.master_address, master_port=port, rank=0,
-                                     world_size=world_size, name=name, backend=self.backend, timeout_s=self.timeout_s)
-            try:
-                joined.result()
-            except BaseException:
-                group.destroy()
-                raise
-        self._group = group
-        self._members = members
-        return group
-
-    def _disconnect(self) -> None:
-        if self._group is not None:
-            self._group.destroy()
-            # Its members that are still up leave it at the next connect, not now: this may be
-            # the middle of a failed broadcast, with a server still blocked in it.
-            self._left_behind.append((self._group.name, self._members))
-            self._group = None
-            self._members = []
-
     def consume(self, buckets: Iterator[Bucket], *, version: int) -> None:
         error: BaseException | None = None
         try:
-            # A server restarted since the last sync is no member of the group any more: it is found
-            # here (it reports its launch weights) and joins the new group this sync forms.
-            self.engine.check_servers(before_update=True)
-            group = self._connect()
-            self.engine.begin_weight_update(version=version)
-        except (RolloutError, RuntimeError) as failure:
-            self._disconnect()
+            self.sink.begin_update(version=version)
+        except RuntimeError as failure:  # RolloutError, or the transport's own
             error = failure
-        in_session = error is None
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            for bucket in buckets:
-                # After a failure the later stages still send their buckets: take them, so
-                # every trainer rank leaves the sync together.
-                if error is not None:
-                    continue
-                announced = pool.submit(
-                    self.engine.send_distributed_bucket, [name for name, _ in bucket],
-                    dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    shapes=[list(t.shape) for _, t in bucket], version=version, group_name=group.name,
-                )
-                try:
-                    group.broadcast([tensor.contiguous() for _, tensor in bucket])
-                except RuntimeError as failure:  # a member left the group
-                    error = failure
-                    self._disconnect()
-                try:
-                    announced.result()
-                except RolloutError as failure:
-                    error = error or failure
-                    self._disconnect()
-        if in_session:
-            self.engine.end_weight_update(version=version, completed=error is None)
+        in_update = error is None
+        for bucket in buckets:
+            # After a failure the later stages still send their buckets: take them, so
+            # every trainer rank leaves the sync together.
+            if error is not None:
+                continue
+            try:
+                self.sink.send_bucket(bucket, version=version)
+            except RuntimeError as failure:
+                error = failure
+        if in_update:
+            self.sink.end_update(version=version, completed=error is None)
         if error is not None:
-            raise RolloutError(
-                f"weight sync to version {version} over the update group failed (the group is closed; the next "
-                f"sync forms a new one with the servers still alive: {self.engine.live_servers}): {error}"
-            ) from error
+            raise RolloutError(f"weight sync to version {version} failed; the next sync starts a new update: "
+                               f"{error}") from error
 
     def close(self) -> None:
-        self._disconnect()
+        self.sink.close()
         super().close()

@@ -67,6 +67,7 @@ from pipeline.eval.sharded import (
 )
 from pipeline.eval.sharded import evaluation_shard_seed as shard_seed
 from pipeline.io import atomic_write_text, package_versions
+from pipeline.rollout.backends import rollout_backend
 
 MANIFEST_FILE = "manifest.json"
 MARKDOWN_FILE = "results.md"
@@ -383,7 +384,8 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, engine=None, o
     without it, one is started from ``cfg.reward`` when the first shard needs grading,
     so re-aggregating a finished evaluation starts none. ``engine``: a ``RolloutEngine``
     already serving the policy, to generate with instead of the one ``cfg.rollout`` names
-    (the caller closes it). Only the local engine loads the policy's weights here.
+    (the caller closes it). The policy's weights are loaded here only when the backend's scoring
+    engine needs them in this process (``scoring_loads_weights``).
     """
     from tqdm import tqdm
 
@@ -401,7 +403,7 @@ def run_evaluate(cfg: EvaluateConfig, *, context=None, pool=None, engine=None, o
     output_dir = Path(cfg.output_dir)
     policy = load_policy(
         cfg.policy, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=resolve_device(cfg.device), context=context,
-        weights=engine is None and cfg.rollout.engine == "local",
+        weights=engine is None and rollout_backend(cfg.rollout.engine).scoring_loads_weights,
     )
     out(f"policy {policy.source} loaded in {time.perf_counter() - started:.1f} s")
     load_policy_s = time.perf_counter() - started

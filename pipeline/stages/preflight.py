@@ -262,20 +262,18 @@ def check_policy(found: Preflight, name: str, path: str | None, *, tokenizer: st
                                       f"{', '.join(map(str, candidates))}); set {tokenizer_name}=DIR")
 
 
-def check_servers(found: Preflight, name: str, urls: Iterable[str]) -> None:
-    """Every URL answers ``GET /health`` with a 2xx status within ``SERVER_TIMEOUT_S``."""
+def check_servers(found: Preflight, name: str, urls: Iterable[str], *, health_path: str) -> None:
+    """Every URL answers ``GET health_path`` with a 2xx status within ``SERVER_TIMEOUT_S``."""
     import httpx
-
-    from pipeline.rollout.sglang_api import HEALTH_PATH
 
     for url in urls:
         try:
-            response = httpx.get(url.rstrip("/") + HEALTH_PATH, timeout=SERVER_TIMEOUT_S)
+            response = httpx.get(url.rstrip("/") + health_path, timeout=SERVER_TIMEOUT_S)
         except httpx.HTTPError as error:
-            found.problem(name, f"{url} does not answer {HEALTH_PATH} ({type(error).__name__}: {error})")
+            found.problem(name, f"{url} does not answer {health_path} ({type(error).__name__}: {error})")
             continue
         if not response.is_success:
-            found.problem(name, f"{url}{HEALTH_PATH} answered HTTP {response.status_code}; the server is not ready")
+            found.problem(name, f"{url}{health_path} answered HTTP {response.status_code}; the server is not ready")
 
 
 def check_trackers(found: Preflight, name: str, trackers: Iterable[str]) -> None:
@@ -339,10 +337,13 @@ def _rl(cfg: RLConfig, found: Preflight) -> None:
     check_writable(found, "logging.output_dir", cfg.logging.output_dir)
     check_writable(found, "checkpoint.directory", cfg.checkpoint.directory)
     check_trackers(found, "logging.trackers", cfg.logging.trackers)
-    if cfg.rollout.engine == "sglang":
+    from pipeline.rollout.backends import rollout_backend
+
+    servers = rollout_backend(cfg.rollout.engine).servers
+    if servers is not None:
         if cfg.rollout.weights_dir is not None:
             check_writable(found, "rollout.weights_dir", cfg.rollout.weights_dir)
-        check_servers(found, "rollout.servers", cfg.rollout.servers)
+        check_servers(found, "rollout.servers", cfg.rollout.servers, health_path=servers.health_path)
 
 
 @register_preflight(CurateConfig)

@@ -20,8 +20,8 @@ import torch
 
 from pipeline import configlib
 from pipeline.config import CurateConfig, EvaluateConfig
-from pipeline.eval.sharded import SERVED_WEIGHT_VERSION
-from pipeline.rollout import sglang_api
+from pipeline.rollout.sglang import protocol as sglang_protocol
+from pipeline.rollout.sglang.backend import SERVED_WEIGHT_VERSION
 from pipeline.rollout.types import Completion
 from pipeline.stages.curate import run_curate
 from pipeline.stages.evaluate import run_evaluate
@@ -44,7 +44,7 @@ class _ReplayEngine:
             for index in range(request.num_samples):
                 tokens, logprobs, finish = expected_sample(
                     list(request.prompt_token_ids),
-                    sampling_seed=sglang_api.sample_seed(params.seed, request.prompt_id, index),
+                    sampling_seed=sglang_protocol.sample_seed(params.seed, request.prompt_id, index),
                     weight_version=str(SERVED_WEIGHT_VERSION), max_new_tokens=params.max_new_tokens,
                     stop_token_ids=list(params.stop_token_ids))
                 completions.append(Completion(

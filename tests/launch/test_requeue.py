@@ -29,7 +29,7 @@ from pipeline.launch.campaign import EXIT_REQUEUE, EXIT_STOPPED_FOR_GOOD, Campai
 from pipeline.launch.nemo import requeue_trap, signal_lead_s
 from pipeline.launch.plan import Assumptions, Layout, ModelDims, TrainerSettings, checkpoint_write_plan
 from pipeline.launch.slurm_profiles import load_profile
-from pipeline.rollout.sglang_engine import SGLangClientConfig
+from pipeline.rollout.sglang.client import SGLangClientConfig
 from recipes.campaigns import cpu_campaign
 
 # ---------------------------------------------------------------- the exit-code table

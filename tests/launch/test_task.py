@@ -83,7 +83,7 @@ def test_rollout_urls_follow_the_trainer_nodes():
         f"http://{host}:{30000 + i}" for host in ("r0", "r1") for i in range(4)]
     with pytest.raises(RuntimeError, match="needs 2 trainer and 2 rollout nodes"):
         task.rollout_urls(stage, hosts=hosts[:3])
-    commands = task.sglang_server_commands(stage, host="gpu-7", python="py")
+    commands = task.server_commands(stage, host="gpu-7", python="py")
     assert [c[c.index("--base-gpu-id") + 1] for c in commands] == ["0", "2", "4", "6"]
     assert all(c[c.index("--host") + 1] == "gpu-7" for c in commands)  # the node's name, never 0.0.0.0
     # The servers load the HF folder; the trainer's policy is its converted checkpoint.
@@ -92,16 +92,28 @@ def test_rollout_urls_follow_the_trainer_nodes():
                and c[c.index("--tokenizer-path") + 1] == "/models/Llama-3.1-8B-Instruct" for c in commands)
 
 
-def test_with_servers_switches_the_engine(tmp_path):
+def test_with_servers_switches_to_the_backend_the_servers_run(tmp_path):
+    from pipeline.rollout.backends import rollout_backend
+
+    def served(stage: Stage, program: str) -> Stage:
+        stage = dataclasses.replace(stage, resources=dataclasses.replace(
+            stage.resources, rollout=RolloutServers(nodes=1, server=program, model_path=str(tmp_path / "hf"))))
+        return task.with_servers(stage, ["http://r0:30000"])
+
     stage = cpu_campaign(output_dir=tmp_path, tiny=True).stage("rl-grpo")
     assert task.with_servers(stage, []) is stage
-    served = task.with_servers(stage, ["http://r0:30000"])
-    assert (served.config.rollout.engine, served.config.rollout.servers) == ("sglang", ["http://r0:30000"])
-    assert served.config.rollout.weights_dir == str(tmp_path / "rl" / "grpo" / "sglang_weights")
+    with pytest.raises(ValueError, match="no resources.rollout"):
+        task.with_servers(stage, ["http://r0:30000"])
+    for program in ("sglang", "standin"):  # the stand-in speaks SGLang's protocol: the same backend
+        rollout = served(stage, program).config.rollout
+        backend = rollout_backend(rollout.engine)
+        assert backend.servers is not None and program in backend.servers.modules
+        assert rollout.servers == ["http://r0:30000"] and rollout.engine != stage.config.rollout.engine
+        assert rollout.weights_dir == str(tmp_path / "rl" / "grpo" / f"{backend.name}_weights")
     for name, output in (("curate", "curate"), ("evaluate-grpo", "eval/grpo")):
-        served = task.with_servers(cpu_campaign(output_dir=tmp_path, tiny=True).stage(name), ["http://r0:30000"])
-        assert (served.config.rollout.engine, served.config.rollout.servers) == ("sglang", ["http://r0:30000"])
-        assert served.config.rollout.weights_dir == str(tmp_path / output / "sglang_weights")
+        rollout = served(cpu_campaign(output_dir=tmp_path, tiny=True).stage(name), "standin").config.rollout
+        assert rollout_backend(rollout.engine).servers is not None and rollout.servers == ["http://r0:30000"]
+        assert rollout.weights_dir == str(tmp_path / output / f"{rollout.engine}_weights")
 
 
 def test_wait_for_servers_sees_health(tmp_path):

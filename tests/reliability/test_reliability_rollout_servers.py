@@ -15,8 +15,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from pipeline.rollout import sglang_api as api
-from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
+from pipeline.rollout.sglang import protocol as api
+from pipeline.rollout.sglang.client import SGLangClientConfig
+from pipeline.rollout.sglang.generation import SGLangEngine
+from pipeline.rollout.sglang.weights import SGLangWeights
 from pipeline.rollout.types import Completion, GenerationRequest, RolloutError, SamplingParams
 from tests.rollout.fake_sglang import FakeServer, expected_sample, start_fake_servers
 
@@ -91,7 +93,7 @@ def test_every_sample_exactly_once_and_load_balanced(servers: list[FakeServer]) 
     for server in servers:
         for body in server.generate_bodies():
             assert len(body["input_ids"]) == len(body["sampling_params"]) <= 2
-    assert engine.live_servers == [s.url for s in servers]
+    assert engine.pool.live_servers == [s.url for s in servers]
     # A second batch on the same engine reproduces the first (per-sample seeds).
     again = engine.generate(requests, PARAMS)
     assert [c.token_ids.tolist() for c in again] == [c.token_ids.tolist() for c in completions]
@@ -111,7 +113,7 @@ def test_server_killed_mid_batch(servers: list[FakeServer]) -> None:
     _assert_exact_delivery(completions, requests)
     assert servers[1].process.poll() is not None
     assert 0 < len(servers[1].generate_bodies()) < sum(-(-r.num_samples // 2) for r in requests)
-    assert list(engine.dead_servers) == [servers[1].url]
+    assert list(engine.pool.dead_servers) == [servers[1].url]
 
 
 @pytest.mark.timeout(60)
@@ -123,7 +125,7 @@ def test_server_dying_with_requests_in_flight(servers: list[FakeServer]) -> None
     requests = _requests()
     completions = engine.generate(requests, PARAMS)
     _assert_exact_delivery(completions, requests)
-    assert list(engine.dead_servers) == [servers[1].url]
+    assert list(engine.pool.dead_servers) == [servers[1].url]
     assert len(servers[1].generate_bodies()) >= 3  # it died on the third, taking the others in flight with it
 
 
@@ -139,7 +141,7 @@ def test_hung_process_is_dropped_by_the_watchdog(servers: list[FakeServer]) -> N
     _assert_exact_delivery(completions, requests)
     # Well before request_timeout_s (20 s): three failed probes at 0.2 s intervals.
     assert elapsed < 10, elapsed
-    assert "health probe failed" in engine.dead_servers[servers[1].url]
+    assert "health probe failed" in engine.pool.dead_servers[servers[1].url]
 
 
 @pytest.mark.timeout(60)
@@ -151,7 +153,7 @@ def test_hanging_generate_times_out(servers: list[FakeServer]) -> None:
     completions = engine.generate(requests, PARAMS)
     _assert_exact_delivery(completions, requests)
     assert time.monotonic() - start < 10
-    assert "no answer" in engine.dead_servers[servers[1].url]
+    assert "no answer" in engine.pool.dead_servers[servers[1].url]
 
 
 @pytest.mark.timeout(60)
@@ -169,7 +171,7 @@ def test_faulty_server_is_dropped_and_its_work_redone(servers: list[FakeServer],
     requests = _requests()
     completions = engine.generate(requests, PARAMS)
     _assert_exact_delivery(completions, requests)
-    assert reason in engine.dead_servers[servers[1].url]
+    assert reason in engine.pool.dead_servers[servers[1].url]
     # Dropped after max_consecutive_failures=3; calls already in flight then were abandoned.
     assert 3 <= len(servers[1].generate_bodies()) <= 8
 
@@ -180,7 +182,7 @@ def test_no_server_left_raises(servers: list[FakeServer]) -> None:
     engine = SGLangEngine.attach([s.url for s in servers], config=_config())
     with pytest.raises(RolloutError, match="no SGLang server left"):
         engine.generate(_requests(), PARAMS)
-    assert engine.live_servers == []
+    assert engine.pool.live_servers == []
     with pytest.raises(RolloutError, match="no SGLang server left"):
         engine.generate(_requests(2), PARAMS)
 
@@ -209,7 +211,7 @@ def test_weight_update_from_disk_then_flush_then_new_version(servers: list[FakeS
     engine = SGLangEngine.attach([s.url for s in servers], config=_config())
     requests = _requests(6)
     _assert_exact_delivery(engine.generate(requests, PARAMS), requests)
-    engine.update_weights_from_disk("/exports/step_1", version=1)
+    SGLangWeights(engine.pool).load_from_disk("/exports/step_1", version=1)
     assert engine.weight_version == 1
     for server in servers:
         paths = [r["path"] for r in server.requests() if r["path"] != "/generate"]
@@ -218,16 +220,16 @@ def test_weight_update_from_disk_then_flush_then_new_version(servers: list[FakeS
         assert body["model_path"] == "/exports/step_1" and body["weight_version"] == "1"
     _assert_exact_delivery(engine.generate(requests, PARAMS), requests, version="1", as_int=1)
     with pytest.raises(ValueError, match="current weight version 1"):
-        engine.update_weights_from_disk("/exports/step_0", version=1)
+        SGLangWeights(engine.pool).load_from_disk("/exports/step_0", version=1)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("servers", [[{}, {"fail_updates": True}]], indirect=True)
 def test_update_failing_on_one_server_drops_it(servers: list[FakeServer]) -> None:
     engine = SGLangEngine.attach([s.url for s in servers], config=_config())
-    engine.update_weights_from_disk("/exports/step_2", version=2)
+    SGLangWeights(engine.pool).load_from_disk("/exports/step_2", version=2)
     assert engine.weight_version == 2
-    assert "refusing the update" in engine.dead_servers[servers[1].url]
+    assert "refusing the update" in engine.pool.dead_servers[servers[1].url]
     requests = _requests(4)
     _assert_exact_delivery(engine.generate(requests, PARAMS), requests, version="2", as_int=2)
 
@@ -237,42 +239,10 @@ def test_update_failing_on_one_server_drops_it(servers: list[FakeServer]) -> Non
 def test_update_failing_everywhere_keeps_the_version(servers: list[FakeServer]) -> None:
     engine = SGLangEngine.attach([s.url for s in servers], config=_config())
     with pytest.raises(RolloutError, match="failed on every server"):
-        engine.update_weights_from_disk("/exports/step_3", version=3)
-    assert engine.weight_version == 0 and len(engine.live_servers) == 2
+        SGLangWeights(engine.pool).load_from_disk("/exports/step_3", version=3)
+    assert engine.weight_version == 0 and len(engine.pool.live_servers) == 2
     requests = _requests(3)
     _assert_exact_delivery(engine.generate(requests, PARAMS), requests)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("servers", [_ok(2)], indirect=True)
-def test_tensor_distributed_and_memory_endpoints(servers: list[FakeServer]) -> None:
-    engine = SGLangEngine.attach([s.url for s in servers], config=_config())
-    engine.update_weights_from_tensor([b"\x80\x04rank0", b"\x80\x04rank1"], version=1)
-    engine.init_weights_update_group(master_address="127.0.0.1", master_port=29600, world_size=5, ranks_per_server=2)
-    engine.update_weights_from_distributed(
-        ["model.norm.weight"], dtypes=["bfloat16"], shapes=[[64]], version=2
-    )
-    assert engine.weight_version == 2
-    with pytest.raises(ValueError, match="world_size"):
-        engine.init_weights_update_group(master_address="h", master_port=1, world_size=4, ranks_per_server=2)
-    engine.release_memory_occupation(["kv_cache", "weights"])
-    with pytest.raises(RolloutError, match="released"):
-        engine.generate(_requests(2), PARAMS)
-    engine.resume_memory_occupation(["kv_cache", "weights"])
-    requests = _requests(2)
-    _assert_exact_delivery(engine.generate(requests, PARAMS), requests, version="2", as_int=2)
-    offsets = []
-    for server in servers:
-        admin = [r for r in server.requests() if r["path"] != "/generate"]
-        assert [r["path"] for r in admin] == [
-            "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update", "/flush_cache",
-            "/init_weights_update_group",
-            "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update", "/flush_cache",
-            "/release_memory_occupation", "/resume_memory_occupation",
-        ]
-        offsets.append(admin[4]["body"]["rank_offset"])
-        assert admin[9]["body"] == {"tags": ["kv_cache", "weights"]}
-    assert offsets == [1, 3]
 
 
 def test_result_of_an_abandoned_attempt_is_discarded() -> None:
@@ -281,22 +251,23 @@ def test_result_of_an_abandoned_attempt_is_discarded() -> None:
     result must be discarded, its work re-queued — never delivered twice."""
     from tqdm import tqdm
 
-    from pipeline.rollout.sglang_engine import _Attempt, _Batch, _ServerFault, _Work
+    from pipeline.rollout.sglang.client import ServerFault
+    from pipeline.rollout.sglang.generation import _Attempt, _Batch, _Work
 
     requests = _requests(2)
     engine = SGLangEngine(["http://127.0.0.1:9", "http://127.0.0.1:10"], config=_config(max_consecutive_failures=1))
-    server = engine._servers[0]
+    server = engine.pool.servers[0]
     output = api.SampleOutput(token_ids=[1], logprobs=[-0.5], finish_reason="length", weight_version=0)
 
     async def scenario() -> _Batch:
         bar = tqdm(disable=True)
-        batch = _Batch(engine, client=None, requests=requests, params=PARAMS, bar=bar)  # type: ignore[arg-type]
+        batch = _Batch(engine.pool, client=None, requests=requests, params=PARAMS, bar=bar)  # type: ignore[arg-type]
 
         async def succeed() -> list[api.SampleOutput]:
             return [output]
 
         async def fail() -> list[api.SampleOutput]:
-            raise _ServerFault("boom")
+            raise ServerFault("boom")
 
         works = [_Work(request_index=r, sample_indices=(0,), seeds=(r,)) for r in range(2)]
         ok_task, failed_task = asyncio.create_task(succeed()), asyncio.create_task(fail())

@@ -164,7 +164,7 @@ def test_the_shell_scanner():
 
 
 def test_sglang_servers_bind_loopback_unless_an_address_is_given():
-    from pipeline.rollout.sglang_api import SGLangServerSpec, launch_command
+    from pipeline.rollout.sglang.protocol import SGLangServerSpec, launch_command
 
     default = launch_command(SGLangServerSpec(model_path="m", port=30000))
     assert default[default.index("--host") + 1] == "127.0.0.1"

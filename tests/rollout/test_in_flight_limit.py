@@ -14,9 +14,10 @@ from pipeline import configlib
 from pipeline.config import RLConfig, RolloutConfig, rollout_in_flight_limit
 from pipeline.configlib import ConfigError
 from pipeline.launch import task
-from pipeline.rollout import sglang_api as api
-from pipeline.rollout import sglang_engine
-from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
+from pipeline.rollout.sglang import protocol as api
+from pipeline.rollout.sglang import generation
+from pipeline.rollout.sglang.client import SGLangClientConfig
+from pipeline.rollout.sglang.generation import SGLangEngine
 from pipeline.rollout.types import GenerationRequest, SamplingParams
 from recipes.campaigns import llama31_8b
 from tests.rollout.fake_sglang import start_fake_servers
@@ -75,7 +76,7 @@ def test_the_client_never_has_more_than_the_limit_in_flight(tmp_path: Path, monk
     running: dict[str, int] = {}
     peaks: dict[str, int] = {}
     peak_total = 0
-    real_request = sglang_engine._request
+    real_request = generation.call
 
     async def counted(client, method, url, *, body=None, **kwargs):
         # The sequences each server is generating: from the call leaving the client to its answer.
@@ -91,7 +92,7 @@ def test_the_client_never_has_more_than_the_limit_in_flight(tmp_path: Path, monk
         finally:
             running[server] -= sequences
 
-    monkeypatch.setattr(sglang_engine, "_request", counted)
+    monkeypatch.setattr(generation, "call", counted)
     try:
         rollout = RolloutConfig(engine="sglang", servers=[s.url for s in servers], weights_dir="w",
                                 max_running_requests_per_server=16)
@@ -111,10 +112,10 @@ def test_the_client_never_has_more_than_the_limit_in_flight(tmp_path: Path, monk
 def test_the_servers_are_started_with_the_configured_capacity():
     stage = llama31_8b(output_dir="/x").with_overrides(["rl-default.rollout.max_running_requests_per_server=96"]
                                                        ).stage("rl-default")
-    commands = task.sglang_server_commands(stage, host="gpu-7", python="py")
+    commands = task.server_commands(stage, host="gpu-7", python="py")
     assert len(commands) == 4
     assert all(c[c.index("--max-running-requests") + 1] == "96" for c in commands)
-    default = task.sglang_server_commands(llama31_8b(output_dir="/x").stage("curate"), host="gpu-7", python="py")
+    default = task.server_commands(llama31_8b(output_dir="/x").stage("curate"), host="gpu-7", python="py")
     assert all(c[c.index("--max-running-requests") + 1] == "256" for c in default)
 
 

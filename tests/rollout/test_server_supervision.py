@@ -11,6 +11,7 @@ goes on; below ``min_servers`` the run fails with one error.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -25,8 +26,10 @@ import pytest
 
 from pipeline.config import RolloutConfig
 from pipeline.configlib import ConfigError
-from pipeline.rollout import sglang_api as api
-from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
+from pipeline.rollout.sglang import protocol as api
+from pipeline.rollout.sglang.client import SGLangClientConfig, run_sync
+from pipeline.rollout.sglang.generation import SGLangEngine
+from pipeline.rollout.sglang.weights import SGLangWeights, UpdateGroupSettings
 from pipeline.rollout.supervise import ServerCommand, Supervisor
 from pipeline.rollout.types import Completion, GenerationRequest, RolloutError, SamplingParams
 from tests.rollout.fake_sglang import REPO_ROOT, expected_sample, start_fake_servers
@@ -132,6 +135,17 @@ def _assert_exact_delivery(completions: list[Completion], requests: list[Generat
         assert c.token_ids.tolist() == tokens and c.finish_reason == finish and c.weight_version == version
 
 
+def _recover(engine: SGLangEngine) -> None:
+    """Wait until no server is down (each back, stale until the next update, or retired), as a batch waits for them."""
+    pool = engine.pool
+
+    async def run() -> None:
+        async with pool.client() as client:
+            await asyncio.gather(*(pool.recover(client, s) for s in pool.servers if s.state == "down"))
+
+    run_sync(run())
+
+
 def _resynced_before_serving(records: list[dict[str, Any]], pid: int, *, folder: str, version: int) -> bool:
     """The process ``pid`` loaded ``folder`` as ``version`` before any ``/generate`` it got."""
     mine = [r for r in records if r["pid"] == pid]
@@ -155,17 +169,17 @@ def test_killed_and_hung_servers_are_restarted_resynced_and_lose_no_sample(tmp_p
         for step, (target, sig) in enumerate([(0, signal.SIGKILL), (1, signal.SIGSTOP)], start=1):
             version += 1
             folder = str(tmp_path / f"v{version}")
-            engine.update_weights_from_disk(folder, version=version)
+            SGLangWeights(engine.pool).load_from_disk(folder, version=version)
             fault = fleet.signal_when_busy(target, sig)
             completions = engine.generate(_requests(step), PARAMS)
             fault.join()
             _assert_exact_delivery(completions, _requests(step), version=version)
-            engine.recover_servers()
+            _recover(engine)
             pid = fleet.supervisor.pids[target]
             assert pid != first_pids[target] and fleet.supervisor.restarts[target] == 1
             # The restarted process started at the launch weights ("default") and was brought to the
             # trainer's version from the newest folder before it got a request.
-            assert engine.live_servers == fleet.urls
+            assert engine.pool.live_servers == fleet.urls
             completions = engine.generate(_requests(10 + step), PARAMS)
             _assert_exact_delivery(completions, _requests(10 + step), version=version)
             assert _resynced_before_serving(fleet.records(target), pid, folder=folder, version=version)
@@ -183,14 +197,14 @@ def test_a_server_that_keeps_dying_is_retired_and_the_run_continues(tmp_path, ca
     with Fleet(tmp_path, flags, max_restarts=1) as fleet:
         engine = SGLangEngine.attach(fleet.urls, config=_engine_config(max_server_failures=1))
         folder = str(tmp_path / "v1")
-        engine.update_weights_from_disk(folder, version=1)
-        with caplog.at_level(logging.ERROR, logger="pipeline.rollout.sglang_engine"):
+        SGLangWeights(engine.pool).load_from_disk(folder, version=1)
+        with caplog.at_level(logging.ERROR, logger="pipeline.rollout.sglang.servers"):
             for step in range(4):
                 completions = engine.generate(_requests(step), PARAMS)
                 _assert_exact_delivery(completions, _requests(step), version=1)
-                engine.recover_servers()
-        assert list(engine.retired_servers) == [fleet.urls[2]]
-        assert engine.live_servers == fleet.urls[:2]
+                _recover(engine)
+        assert list(engine.pool.retired_servers) == [fleet.urls[2]]
+        assert engine.pool.live_servers == fleet.urls[:2]
         retired_lines = [r.getMessage() for r in caplog.records if "retiring SGLang server" in r.getMessage()]
         assert len(retired_lines) == 1 and fleet.urls[2] in retired_lines[0] and "2 of 3 servers left" in retired_lines[0]
         assert engine.metrics()["rollout/servers_retired"] == 1.0
@@ -326,14 +340,15 @@ def _distributed_worker(rank: int, world_size: int, tmp_dir: str) -> dict[str, A
     # A fake server joining a gloo group answers no probe until every member joined: a wide hang window.
     with Fleet(tmp, flags, max_restarts=1, probe_timeout_s=2.0, max_failed_probes=5) as fleet:
         client = SGLangEngine.attach(fleet.urls, config=_engine_config(max_server_failures=1))
-        engine = DistributedSyncedEngine(client, bucket_bytes=1 << 20, backend="gloo", master_address="127.0.0.1",
-                                         server_ranks=1, timeout_s=30.0)
+        sink = SGLangWeights(client.pool, update_group=UpdateGroupSettings(
+            backend="gloo", master_address="127.0.0.1", ranks_per_server=1, timeout_s=30.0))
+        engine = DistributedSyncedEngine(client, sink=sink, bucket_bytes=1 << 20)
         engine.consume(iter(_version_buckets(1)), version=1)
         first_pid = fleet.supervisor.pids[1]
         os.kill(first_pid, signal.SIGKILL)  # between two steps: no request in flight
         completions = client.generate(_requests(1), PARAMS)
         _assert_exact_delivery(completions, _requests(1), version=1)
-        client.recover_servers()
+        _recover(client)
         stale = dict(client.metrics())
         new_pid = fleet.supervisor.pids[1]
         engine.consume(iter(_version_buckets(2)), version=2)
@@ -348,7 +363,7 @@ def _distributed_worker(rank: int, world_size: int, tmp_dir: str) -> dict[str, A
         survivor = [(r["path"], r["body"].get("group_name")) for r in fleet.records(0)
                     if r["path"] in ("/init_weights_update_group", "/destroy_weights_update_group")]
         engine.close()
-        return {"stale": stale, "restarted": new_pid != first_pid, "live": client.live_servers, "urls": fleet.urls,
+        return {"stale": stale, "restarted": new_pid != first_pid, "live": client.pool.live_servers, "urls": fleet.urls,
                 "equal": received.keys() == expected.keys() and all(torch.equal(received[k], v)
                                                                    for k, v in expected.items()),
                 "paths": paths, "survivor": survivor}

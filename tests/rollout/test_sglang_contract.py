@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
@@ -11,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.rollout import sglang_api as api
-from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
+from pipeline.rollout.sglang import protocol as api
+from pipeline.rollout.sglang.client import SGLangClientConfig
+from pipeline.rollout.sglang.generation import SGLangEngine
 from pipeline.rollout.types import RolloutError, SamplingParams
 from tests.rollout import sglang_schema
 
@@ -151,17 +151,6 @@ def test_update_weights_from_disk_body() -> None:
     assert decoded.flush_cache is True and decoded.abort_all_requests is False and decoded.load_format == "safetensors"
 
 
-def test_update_weights_from_tensor_body_base64s_raw_bytes() -> None:
-    raw = b"\x80\x04pickled-handles"
-    already = base64.b64encode(b"rank1").decode()
-    body = api.update_weights_from_tensor_body([raw, already], version=3)
-    decoded = _decode_io_struct("UpdateWeightsFromTensorReqInput", body)
-    assert decoded.serialized_named_tensors == [raw, b"rank1"]
-    assert decoded.weight_version == "3" and decoded.flush_cache is True
-    with pytest.raises(ValueError, match="TP rank"):
-        api.update_weights_from_tensor_body([], version=3)
-
-
 def test_update_weights_from_distributed_and_group_bodies() -> None:
     body = api.update_weights_from_distributed_body(
         ["model.embed_tokens.weight", "lm_head.weight"],
@@ -186,13 +175,6 @@ def test_update_weights_from_distributed_and_group_bodies() -> None:
     assert f'@app.post("{api.DESTROY_UPDATE_GROUP_PATH}")' in server_source
 
 
-def test_memory_occupation_bodies() -> None:
-    for name in ("ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"):
-        tags = ["weights", "kv_cache"]
-        assert _decode_io_struct(name, api.memory_occupation_body(tags)).tags == tags
-        assert _decode_io_struct(name, api.memory_occupation_body(None)).tags is None
-
-
 def test_weight_update_session_bodies() -> None:
     """SGLang 0.5.23's session endpoints: begin takes a runner selector, end takes nothing."""
     begin = _decode_io_struct("BeginWeightUpdateReqInput", api.begin_weight_update_body())
@@ -204,14 +186,13 @@ def test_weight_update_session_bodies() -> None:
         _decode_io_struct("EndWeightUpdateReqInput", {"selector": "all"})
     with pytest.raises(ValueError, match="selector"):
         api.begin_weight_update_body("everything")
-    # The endpoints exist on the server, and tensor/NCCL updates are the ones that need a session.
+    # The endpoints exist on the server, and the distributed update is one that needs a session.
     server_source = (sglang_schema.sglang_dir() / "srt" / "entrypoints" / "http_server.py").read_text()
-    for path in (api.BEGIN_WEIGHT_UPDATE_PATH, api.END_WEIGHT_UPDATE_PATH, *api.SESSION_UPDATE_PATHS):
+    for path in (api.BEGIN_WEIGHT_UPDATE_PATH, api.END_WEIGHT_UPDATE_PATH, api.UPDATE_FROM_DISTRIBUTED_PATH):
         assert f'@app.post("{path}")' in server_source
     updater = (sglang_schema.sglang_dir() / "srt" / "managers" / "scheduler_components" / "weight_updater.py")
     updater_source = updater.read_text()
-    for path in api.SESSION_UPDATE_PATHS:
-        assert f"{path.lstrip('/')} must run between" in updater_source
+    assert f"{api.UPDATE_FROM_DISTRIBUTED_PATH.lstrip('/')} must run between" in updater_source
     assert "update_weights_from_disk must run between" not in updater_source
 
 
@@ -238,7 +219,6 @@ def test_launch_command_uses_only_real_sglang_flags() -> None:
         dtype="bfloat16",
         random_seed=3,
         weight_version=7,
-        enable_memory_saver=True,
         enable_deterministic_inference=True,
     )
     command = api.launch_command(spec)

@@ -21,7 +21,7 @@ import torch
 
 from pipeline.parallel.rendezvous import free_port
 from pipeline.parallel.weight_transfer import UpdateGroup
-from pipeline.rollout import sglang_api as api
+from pipeline.rollout.sglang import protocol as api
 from pipeline.rollout.types import SamplingParams
 from tests.fixtures.real_models.families import write_hf_model
 from tests.rollout import sglang_schema

@@ -114,3 +114,80 @@ def test_sync_gathers_tensor_parallel_shards():
     outcomes = run_distributed(_sync_worker, world_size=2, args=(2, 1))
     _, _, mismatch_before, mismatch_after, version = outcomes[0]
     assert mismatch_before < 1e-4 and mismatch_after < 1e-4 and version == 2
+
+
+class _RecordingSink:
+    """A ``WeightSink`` that records its calls; ``refuse_bucket`` makes that bucket's delivery fail."""
+
+    def __init__(self, *, refuse_bucket: int | None = None) -> None:
+        self.calls: list[tuple] = []
+        self.refuse_bucket = refuse_bucket
+
+    def load_from_disk(self, folder, *, version):
+        self.calls.append(("load", folder, version))
+
+    def begin_update(self, *, version):
+        self.calls.append(("begin", version))
+
+    def send_bucket(self, bucket, *, version):
+        index = sum(call[0] == "send" for call in self.calls)
+        self.calls.append(("send", [name for name, _ in bucket], version))
+        if index == self.refuse_bucket:
+            from pipeline.rollout.types import RolloutError
+
+            raise RolloutError("the update group failed: a server left")
+
+    def end_update(self, *, version, completed):
+        self.calls.append(("end", version, completed))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def _named_buckets(count: int):
+    return [[(f"model.b{i}.weight", torch.zeros(2))] for i in range(count)]
+
+
+def test_the_streamed_transport_hands_every_bucket_to_its_sink_in_one_update():
+    from pipeline.rollout.types import WeightSink
+    from pipeline.rollout.weight_sync import DistributedSyncedEngine
+
+    sink = _RecordingSink()
+    assert isinstance(sink, WeightSink)
+    synced = DistributedSyncedEngine(object(), sink=sink, bucket_bytes=4096)
+    synced.consume(iter(_named_buckets(3)), version=4)
+    assert sink.calls == [("begin", 4), ("send", ["model.b0.weight"], 4), ("send", ["model.b1.weight"], 4),
+                          ("send", ["model.b2.weight"], 4), ("end", 4, True)]
+
+
+def test_a_failed_bucket_drains_the_rest_ends_the_update_incomplete_and_raises_once():
+    from pipeline.rollout.types import RolloutError
+    from pipeline.rollout.weight_sync import DistributedSyncedEngine
+
+    sink = _RecordingSink(refuse_bucket=1)
+    synced = DistributedSyncedEngine(object(), sink=sink, bucket_bytes=4096)
+    taken = []
+    buckets = (taken.append(i) or bucket for i, bucket in enumerate(_named_buckets(4)))
+    with pytest.raises(RolloutError, match="weight sync to version 2 failed; the next sync starts a new update: the "
+                                           "update group failed: a server left"):
+        synced.consume(buckets, version=2)
+    # Every bucket was taken (the other trainer ranks finish their part), none sent after the failure.
+    assert taken == [0, 1, 2, 3]
+    assert sink.calls == [("begin", 2), ("send", ["model.b0.weight"], 2), ("send", ["model.b1.weight"], 2),
+                          ("end", 2, False)]
+
+
+def test_an_update_that_cannot_begin_takes_the_buckets_and_ends_nothing():
+    from pipeline.rollout.types import RolloutError
+    from pipeline.rollout.weight_sync import DistributedSyncedEngine
+
+    class Unreachable(_RecordingSink):
+        def begin_update(self, *, version):
+            raise RolloutError("no server answered")
+
+    sink = Unreachable()
+    synced = DistributedSyncedEngine(object(), sink=sink, bucket_bytes=4096)
+    taken = []
+    with pytest.raises(RolloutError, match="no server answered"):
+        synced.consume((taken.append(i) or b for i, b in enumerate(_named_buckets(2))), version=1)
+    assert taken == [0, 1] and sink.calls == []

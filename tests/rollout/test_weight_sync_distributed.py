@@ -21,7 +21,9 @@ BUCKET_BYTES = 8 * 1024
 def _worker(rank, world_size, tmp_dir):
     from pathlib import Path
 
-    from pipeline.rollout.sglang_engine import SGLangClientConfig, SGLangEngine
+    from pipeline.rollout.sglang.client import SGLangClientConfig
+    from pipeline.rollout.sglang.generation import SGLangEngine
+    from pipeline.rollout.sglang.weights import SGLangWeights, UpdateGroupSettings
     from pipeline.rollout.types import RolloutError
     from pipeline.rollout.weight_export import stage_buckets
     from pipeline.rollout.weight_sync import DistributedSyncedEngine, actor_hf_state, sync_actor_to_engine
@@ -39,8 +41,9 @@ def _worker(rank, world_size, tmp_dir):
     try:
         client = SGLangEngine.attach([s.url for s in servers],
                                      config=SGLangClientConfig(admin_timeout_s=60.0, show_progress=False))
-        engine = DistributedSyncedEngine(client, bucket_bytes=BUCKET_BYTES, backend="gloo",
-                                         master_address="127.0.0.1", server_ranks=1, timeout_s=60.0)
+        sink = SGLangWeights(client.pool, update_group=UpdateGroupSettings(
+            backend="gloo", master_address="127.0.0.1", ranks_per_server=1, timeout_s=60.0))
+        engine = DistributedSyncedEngine(client, sink=sink, bucket_bytes=BUCKET_BYTES)
 
         def matches(server) -> bool:
             expected = dict(actor_hf_state(actor))
@@ -62,7 +65,7 @@ def _worker(rank, world_size, tmp_dir):
         recovered = matches(servers[0])
         requests = [[r["path"] for r in server.requests()] for server in servers]
         return {"num_buckets": num_buckets, "synced": synced, "failure": failure, "recovered": recovered,
-                "live": client.live_servers, "urls": [s.url for s in servers], "version": client.weight_version,
+                "live": client.pool.live_servers, "urls": [s.url for s in servers], "version": client.weight_version,
                 "requests": requests, "second_exit": servers[1].process.poll()}
     finally:
         for server in servers:

@@ -40,13 +40,13 @@ def _actor(tp: int, pp: int):
 
 
 class _DiskServers:
-    """Stands in for the SGLang client: records which folder the servers were told to load."""
+    """Stands in for servers' ``WeightSink``: records which folder they were told to load."""
 
     def __init__(self) -> None:
         self.loaded: list[tuple[str, int]] = []
 
-    def update_weights_from_disk(self, model_path: str, *, version: int) -> None:
-        self.loaded.append((model_path, version))
+    def load_from_disk(self, folder: str, *, version: int) -> None:
+        self.loaded.append((folder, version))
 
 
 def _worker(rank, world_size, tp, pp, weights_dir, tokenizer_dir):
@@ -79,8 +79,8 @@ def _worker(rank, world_size, tp, pp, weights_dir, tokenizer_dir):
     reference = actor_hf_state(actor)
     result["reference"] = {name: t.clone() for name, t in reference} if reference is not None else None
     servers = _DiskServers()
-    disk = (DiskSyncedEngine(servers, weights_dir=weights_dir, spec=actor.spec, tokenizer_dir=tokenizer_dir,
-                             bucket_bytes=BUCKET_BYTES) if rank == 0 else None)
+    disk = (DiskSyncedEngine(servers, sink=servers, weights_dir=weights_dir, spec=actor.spec,
+                             tokenizer_dir=tokenizer_dir, bucket_bytes=BUCKET_BYTES) if rank == 0 else None)
     sync_actor_to_engine(actor, disk, version=2)
     result["loaded"] = servers.loaded
     return result

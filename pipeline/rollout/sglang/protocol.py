@@ -39,7 +39,6 @@ relies on, from SGLang 0.5.23:
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import math
 import sys
@@ -53,7 +52,6 @@ __all__ = [
     "GENERATE_PATH",
     "HEALTH_PATH",
     "MalformedResponse",
-    "SESSION_UPDATE_PATHS",
     "SGLangServerSpec",
     "SampleOutput",
     "begin_weight_update_body",
@@ -62,7 +60,6 @@ __all__ = [
     "init_weights_update_group_body",
     "destroy_weights_update_group_body",
     "launch_command",
-    "memory_occupation_body",
     "parse_generate_response",
     "parse_model_info_version",
     "parse_update_response",
@@ -71,7 +68,6 @@ __all__ = [
     "sampling_params_body",
     "update_weights_from_disk_body",
     "update_weights_from_distributed_body",
-    "update_weights_from_tensor_body",
 ]
 
 GENERATE_PATH = "/generate"
@@ -80,16 +76,11 @@ HEALTH_GENERATE_PATH = "/health_generate"
 MODEL_INFO_PATH = "/model_info"
 FLUSH_CACHE_PATH = "/flush_cache"
 UPDATE_FROM_DISK_PATH = "/update_weights_from_disk"
-UPDATE_FROM_TENSOR_PATH = "/update_weights_from_tensor"
 UPDATE_FROM_DISTRIBUTED_PATH = "/update_weights_from_distributed"
 INIT_UPDATE_GROUP_PATH = "/init_weights_update_group"
 DESTROY_UPDATE_GROUP_PATH = "/destroy_weights_update_group"
-RELEASE_MEMORY_PATH = "/release_memory_occupation"
-RESUME_MEMORY_PATH = "/resume_memory_occupation"
 BEGIN_WEIGHT_UPDATE_PATH = "/begin_weight_update"
 END_WEIGHT_UPDATE_PATH = "/end_weight_update"
-# Updates SGLang 0.5.23 accepts only between /begin_weight_update and /end_weight_update.
-SESSION_UPDATE_PATHS = frozenset({UPDATE_FROM_TENSOR_PATH, UPDATE_FROM_DISTRIBUTED_PATH})
 
 # What a server reports before any versioned update or --weight-version.
 DEFAULT_WEIGHT_VERSION = "default"
@@ -118,7 +109,6 @@ class SGLangServerSpec:
     dtype: str | None = None
     random_seed: int | None = None
     weight_version: int = 0
-    enable_memory_saver: bool = False
     enable_deterministic_inference: bool = False
     python: str = sys.executable
     extra_args: tuple[str, ...] = ()
@@ -167,8 +157,6 @@ def launch_command(spec: SGLangServerSpec) -> list[str]:
         command += ["--dtype", spec.dtype]
     if spec.random_seed is not None:
         command += ["--random-seed", str(spec.random_seed)]
-    if spec.enable_memory_saver:
-        command.append("--enable-memory-saver")
     if spec.enable_deterministic_inference:
         command.append("--enable-deterministic-inference")
     return command + list(spec.extra_args)
@@ -320,36 +308,6 @@ def update_weights_from_disk_body(
     return body
 
 
-def update_weights_from_tensor_body(
-    serialized_named_tensors: Sequence[str | bytes],
-    *,
-    version: int,
-    load_format: str | None = None,
-    flush_cache: bool = True,
-) -> dict[str, Any]:
-    """``UpdateWeightsFromTensorReqInput``: one payload per TP rank of the server.
-
-    A payload is what SGLang's ``MultiprocessingSerializer.serialize(named_tensors,
-    output_str=True)`` returns on the trainer's GPU process (CUDA IPC handles, so only
-    a co-located server can open them); raw ``bytes`` are base64-encoded here, as the
-    JSON contract requires.
-    """
-    if not serialized_named_tensors:
-        raise ValueError("serialized_named_tensors must hold one payload per TP rank")
-    payloads = [
-        base64.b64encode(bytes(p)).decode("ascii") if isinstance(p, (bytes, bytearray, memoryview)) else p
-        for p in serialized_named_tensors
-    ]
-    body: dict[str, Any] = {
-        "serialized_named_tensors": payloads,
-        "weight_version": str(version),
-        "flush_cache": flush_cache,
-    }
-    if load_format is not None:
-        body["load_format"] = load_format
-    return body
-
-
 def update_weights_from_distributed_body(
     names: Sequence[str],
     *,
@@ -414,11 +372,6 @@ def begin_weight_update_body(selector: str = "all") -> dict[str, Any]:
 def end_weight_update_body() -> dict[str, Any]:
     """``EndWeightUpdateReqInput``: close the session (it has no fields)."""
     return {}
-
-
-def memory_occupation_body(tags: Sequence[str] | None) -> dict[str, Any]:
-    """``Release/ResumeMemoryOccupationReqInput``; SGLang knows the tags ``weights`` and ``kv_cache``."""
-    return {} if tags is None else {"tags": list(tags)}
 
 
 def parse_update_response(payload: Any) -> tuple[bool, str]:
