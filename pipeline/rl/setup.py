@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ import torch
 
 from pipeline import configlib
 from pipeline.checkpoint.artifact import load_weights
-from pipeline.checkpoint.manager import CheckpointManager
+from pipeline.checkpoint.manager import CheckpointManager, check_resume_layout
 from pipeline.config import RLConfig
 from pipeline.data import Prompt, load_prompts
 from pipeline.data.sources import parse_spec
@@ -31,6 +31,7 @@ from pipeline.rl.rollouts import RolloutBatch
 from pipeline.rl.sampling import Sampled, Sampling, SelectedPrompts, build_sampling
 from pipeline.rl.stream import PromptStream
 from pipeline.rollout.backends import rollout_backend
+from pipeline.stats.flops import FlopCounter
 from pipeline.stats.store import PromptStatsStore
 from pipeline.trainer.actor import Actor
 
@@ -191,6 +192,8 @@ class Run:
     # The metrics row of a scored step a stop checkpointed before its weights reached the engine: the
     # resumed run pushes them, scores the held-out set and logs the row (``pipeline.stages.rl``).
     row_awaiting_eval: dict[str, Any] | None = None
+    # The step FLOPs, cumulative (``pipeline.rl.step.count_step_flops``), checkpointed with the run.
+    flops: FlopCounter = field(default_factory=FlopCounter)
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """JSON state and tensors of everything but the actor (which the manager saves itself)."""
@@ -203,6 +206,7 @@ class Run:
             "sampling": sampling_state,
             "stats_meta": stats["meta"],
             "consecutive_skipped": self.consecutive_skipped,
+            "flops": self.flops.state_dict(),
         }
         batch_state, batch_tensors = self.batches.state()
         state.update(batch_state)
@@ -221,6 +225,7 @@ class Run:
         self.consecutive_skipped = int(state["consecutive_skipped"])
         self.batches.load_state(state, tensors)
         self.row_awaiting_eval = state.get("row_awaiting_eval")
+        self.flops.load_state_dict(state.get("flops"))  # None: a checkpoint saved before the count
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,9 +275,17 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, batch_source: Ca
         configlib.save_resolved(cfg, output_dir)
     tokenizer = load_tokenizer(policy.tokenizer_dir)
     spec = policy.spec
-    actor = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=cfg.optim, seed=cfg.seed)
     checkpoints = CheckpointManager(cfg.checkpoint.directory, keep_last=cfg.checkpoint.keep_last,
                                     rank=context.rank, world_size=context.world_size)
+    resume_from = checkpoints.newest_valid() if cfg.checkpoint.resume != "never" else None
+    if cfg.checkpoint.resume == "must" and resume_from is None:
+        raise FileNotFoundError(f"checkpoint.resume=must but no valid checkpoint under {cfg.checkpoint.directory}")
+    if resume_from is not None:  # a layout this checkpoint cannot take is refused before anything is built
+        distributed = cfg.trainer.distributed_optimizer
+        check_resume_layout(resume_from, tensor_parallel=context.tensor_parallel,
+                            pipeline_parallel=context.pipeline_parallel, data_parallel=context.data_parallel,
+                            distributed_optimizer=context.data_parallel > 1 if distributed is None else distributed)
+    actor = Actor(spec=spec, context=context, trainer=cfg.trainer, optim=cfg.optim, seed=cfg.seed)
 
     prompts: list[Prompt] = []
     for spec_text in cfg.data.train:
@@ -310,9 +323,6 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, batch_source: Ca
         ledger=Ledger(), checkpoints=checkpoints, writer=None, start_step=0, output_dir=output_dir,
     )
     run.batches = batch_source(run)
-    resume_from = checkpoints.newest_valid() if cfg.checkpoint.resume != "never" else None
-    if cfg.checkpoint.resume == "must" and resume_from is None:
-        raise FileNotFoundError(f"checkpoint.resume=must but no valid checkpoint under {cfg.checkpoint.directory}")
     if resume_from is not None:
         loaded = checkpoints.load(resume_from, actor=actor)
         run.load_state(loaded.state, loaded.tensors)

@@ -44,6 +44,7 @@ from pipeline.rl.step import (
     question_logprobs,
     record_statistics,
     staleness_metrics,
+    count_step_flops,
     step_metrics,
 )
 from pipeline.rollout.mismatch import logprob_mismatch
@@ -231,11 +232,15 @@ def run_rl(cfg: RLConfig, *, context=None, max_steps: int | None = None) -> dict
                 if run.engine is not None:  # rank 0: the servers' states and recoveries (SGLang), {} locally
                     rollout.update(run.engine.metrics())
                 rollout.update(batches.metrics(prepared))
+                flops = count_step_flops(
+                    run, run.flops, step=step + 1, pool=pool, train=rollouts, kept_rows=kept_rows,
+                    logprob_forwards=int(old_logprobs is not None) + int(run.reference is not None),
+                    seconds=timer.seconds)
                 last = step_metrics(pool=pool, update=update, temperature=temperature, mean_entropy=mean_entropy,
                                     tokens=tokens, gradient_tokens=gradient_tokens, zero_variance=zero_variance,
                                     num_filtered=selected.dropped.numel(), num_candidates=prepared.num_candidates,
                                     mismatch=mismatch, method_metrics=metrics, ledger=ledger.state_dict(),
-                                    rollout=rollout, seconds=timer.seconds)
+                                    rollout=rollout, seconds=timer.seconds, flops=flops)
                 if scored and stopping:
                     # Scoring needs these weights on the engine: the resumed run scores and logs the row.
                     run.row_awaiting_eval = {key: value.item() if hasattr(value, "item") else value

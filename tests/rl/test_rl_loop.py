@@ -139,6 +139,9 @@ def test_default_combination_runs_and_resumes_exactly(tmp_path, bootstrap_cache_
         assert torch.equal(value, resumed["weights"][name]), name
     assert _strip_times(straight["rows"]) == _strip_times(resumed["rows"])
     rows = straight["rows"]
+    # Every step's FLOPs, the estimator's included, are counted and survive the restart (compared above).
+    assert all(row["flops/total"] > 0 and row["flops/estimator"] > 0 for row in rows[1:])
+    assert rows[-1]["flops/cumulative/total"] == pytest.approx(sum(row["flops/total"] for row in rows[1:]))
     assert [row["depo/filter_active"] for row in rows[1:]] == [0.0, 0.0, 1.0, 1.0]
     assert rows[-1]["estimator/num_updates"] == 4.0 * AlgorithmConfig().depo.minibatches  # 4 steps
     assert all(row["ada/pool_size_mean"] >= 4 for row in rows[1:])
