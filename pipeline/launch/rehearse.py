@@ -271,7 +271,32 @@ def rehearsal_plan(plan: CampaignPlan, *, scale: RehearsalScale, request_logs: P
         rehearsed, notes = rehearsal_stage(stage, scale=scale, request_logs=request_logs, port=stage_port)
         stages.append(rehearsed)
         changes[stage.name] = notes
+    stages = [_on_answered_prompts(stage, stages, changes[stage.name]) for stage in stages]
     return CampaignPlan(name=f"{plan.name}-rehearsal", output_dir=plan.output_dir, stages=stages), changes
+
+
+def _on_answered_prompts(stage: Stage, stages: list[Stage], notes: list[str]) -> Stage:
+    """An rl stage on the raw stream of the curation's sources trains on the curation's kept prompts instead.
+
+    The rehearsal model is fitted to answer the curation's prompts with a spread of skill (the
+    first barely, the last well: ``fit_answers``), so that curation keeps some. A raw stream of
+    them hands step 1 four of the sixteen at random, often all-wrong groups, and the check that
+    step 1 has a gradient would fail for the model, not for the wiring. The kept prompts are the
+    ones it answers sometimes (1 to 3 of k); the stage then also waits for the curation.
+    """
+    curate = next((other for other in stages if other.kind == "curate"), None)
+    config = stage.config
+    if (stage.kind != "rl" or curate is None or config.curation_dir is not None
+            or list(config.data.train) != list(curate.config.sources)):
+        return stage
+    from pipeline.stats.curation import KEPT_FILE
+
+    kept = str(Path(curate.config.output_dir) / KEPT_FILE)
+    notes.append(f"data.train {list(config.data.train)} -> [{kept}] (the prompts the rehearsal model answers "
+                 f"sometimes; data.split {config.data.split} -> None: a file has none)")
+    data = dataclasses.replace(config.data, train=[kept], split=None)
+    depends_on = stage.depends_on if curate.name in stage.depends_on else (*stage.depends_on, curate.name)
+    return dataclasses.replace(stage, config=dataclasses.replace(config, data=data), depends_on=depends_on)
 
 
 def published_model_folder(model_dir: str, out: Path) -> Path:

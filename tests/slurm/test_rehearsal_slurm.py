@@ -27,8 +27,8 @@ def test_the_qwen25_math_7b_campaign_rehearses_on_slurm(launch_profile_file, slu
     print(report)
     assert code == 0, report
     rows = dict(re.findall(r"^(\S+)\s+(PASS|FAIL|not run)\s", report, flags=re.M))
-    assert set(rows) == {"convert", "curate", "rl-default", "evaluate-default", "export-default", "rl-grpo",
-                         "evaluate-grpo", "export-grpo", "rl-default-control"}, report
+    assert set(rows) == {"convert", "curate", "train-estimator", "rl-default", "evaluate-default", "export-default",
+                         "rl-grpo", "evaluate-grpo", "export-grpo", "rl-default-control"}, report
     assert set(rows.values()) == {"PASS"}, report
     assert "rl-default: stopped by SIGUSR1, resumed; its" in report and "scancel --signal=USR1" in report
     assert re.search(r"rl-grpo: the server on port \d+ was killed, restarted .* and re-synced", report), report
