@@ -104,12 +104,23 @@ def test_every_sample_exactly_once_and_load_balanced(servers: list[FakeServer]) 
 def test_server_killed_mid_batch(servers: list[FakeServer]) -> None:
     engine = SGLangEngine.attach([s.url for s in servers], config=_config(max_in_flight=6))
     requests = _requests(16)
-    killer = threading.Timer(0.4, servers[1].kill)
+    served = threading.Event()
+
+    def kill_once_it_has_served() -> None:
+        # Mid-batch by construction: after its first /generate arrived (a fixed timer raced the
+        # client's start-up on a loaded machine and killed a server that had served nothing).
+        deadline = time.monotonic() + 30.0
+        while not servers[1].generate_bodies() and time.monotonic() < deadline and not served.is_set():
+            time.sleep(0.01)
+        servers[1].kill()
+
+    killer = threading.Thread(target=kill_once_it_has_served, daemon=True)
     killer.start()
     try:
         completions = engine.generate(requests, PARAMS)
     finally:
-        killer.cancel()
+        served.set()
+        killer.join(timeout=5)
     _assert_exact_delivery(completions, requests)
     assert servers[1].process.poll() is not None
     assert 0 < len(servers[1].generate_bodies()) < sum(-(-r.num_samples // 2) for r in requests)
