@@ -38,6 +38,7 @@ SMOKES = {
     "gpu_step": "test_gpu_step.py::test_gpu_step_measures_every_component_against_the_plan",
     "grading": "test_bench_reports.py::test_grading",
     "logprobs_memory": "test_bench_reports.py::test_logprobs_memory",
+    "methods": "test_methods_bench.py::test_depo_scenario_runs_two_arms_at_toy_size_and_resumes",
     "parallel": "test_bench_parallel.py::test_four_layouts_time_the_same_model",
     "plan_memory": "test_bench_smoke.py::test_plan_memory_writes_its_table",
     "race": "test_race.py::test_tiny_race_writes_results_and_resumes",
