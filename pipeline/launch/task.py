@@ -15,8 +15,10 @@ writes, which calls one of three roles:
   of this process or of a rank writing into it.
 * ``worker``: one torchrun rank; runs the stage with torchrun's rendezvous, in a process
   group whose collective timeout is ``pipeline.config.collective_timeout_minutes``.
-  torchrun exits 1 whatever its failed rank exited with, so a rank that fails with a
-  user error also leaves a line in the node's rank-exit folder, and the node exits 2.
+  torchrun exits 1 whatever its failed rank exited with, so a failing rank also leaves a
+  record in the node's rank-exit folder. The node reports the first failure in time, the root
+  cause (a rank that crashes takes its peers down with "connection closed" errors a moment
+  later), and exits 2 only when that first failure is a user error.
 * ``serve``: one per rollout node; runs its rollout servers under a ``Supervisor``
   (``pipeline.rollout.supervise``: a dead or hung server is restarted, one that fails past
   ``rollout.max_server_failures`` retired) until the first trainer node marks the attempt
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -63,8 +66,8 @@ from pipeline.parallel.lifetime import (
 
 SERVERS_ENV = "WINNOW_ROLLOUT_SERVERS"  # comma-separated URLs, from the first trainer node to its ranks
 NODES_ENV = "WINNOW_NODES"  # the job's host names, in SLURM's order (set by the sbatch script)
-# A node-local folder, from the node role to its torchrun ranks: a rank failing with a user error
-# writes its error line to rank_<RANK> there before exiting 2.
+# A node-local folder, from the node role to its torchrun ranks: a rank that fails writes one JSON
+# record (when, whether a user error, its error line) to rank_<RANK> there before exiting.
 RANK_EXIT_DIR_ENV = "WINNOW_RANK_EXIT_DIR"
 # What a stage exits with on a user error, and what its job script never requeues.
 USER_ERRORS = (UserError, FileNotFoundError)
@@ -137,14 +140,20 @@ def server_commands(stage: Stage, *, host: str, python: str = sys.executable) ->
     ]
 
 
-def wait_for_servers(urls: Sequence[str], *, timeout_s: float, poll_s: float = 5.0) -> None:
+# How often the trainer's node role asks the servers whether they are up, and the serve role looks
+# for the trainer's done marker: a stage's start and end each wait up to this long for the other role.
+ROLE_POLL_S = 1.0
+HEALTH_REQUEST_TIMEOUT_S = 5.0
+
+
+def wait_for_servers(urls: Sequence[str], *, timeout_s: float, poll_s: float = ROLE_POLL_S) -> None:
     """Block until every server answers ``GET /health`` with 200; RuntimeError naming the laggards."""
     deadline = time.monotonic() + timeout_s
     waiting = list(urls)
     while waiting:
         for url in list(waiting):
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=poll_s) as response:
+                with urllib.request.urlopen(f"{url}/health", timeout=HEALTH_REQUEST_TIMEOUT_S) as response:
                     if response.status == 200:
                         waiting.remove(url)
             except (urllib.error.URLError, OSError):
@@ -181,16 +190,20 @@ def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, p
     supervisor = Supervisor([ServerCommand(command=tuple(c), url=u) for c, u in zip(commands, addresses)],
                             max_restarts=max_restarts, probe_timeout_s=health_timeout_s, probe_interval_s=poll_s,
                             startup_timeout_s=startup_timeout_s, ignored_signals=(signal.SIGUSR1,))
+    next_check = time.monotonic()
     with supervisor:
+        # The done marker is looked for every ROLE_POLL_S (the job ends that much after the trainer),
+        # the servers are checked every poll_s (each check probes every server's health).
         while not (done_marker.is_file() and done_marker.read_text().strip() == token):
-            started = time.monotonic()
-            supervisor.check()
-            if supervisor.num_active + servers_elsewhere < min_servers:
-                print(f"rollout servers: {supervisor.num_active} of {len(commands)} left on this node, "
-                      f"{servers_elsewhere} elsewhere, below rollout.min_servers={min_servers}", file=sys.stderr)
-                code = supervisor.last_exit
-                return code if code is not None and code > 0 else 1  # killed by a signal (negative): 1
-            time.sleep(max(0.0, poll_s - (time.monotonic() - started)))
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + poll_s
+                supervisor.check()
+                if supervisor.num_active + servers_elsewhere < min_servers:
+                    print(f"rollout servers: {supervisor.num_active} of {len(commands)} left on this node, "
+                          f"{servers_elsewhere} elsewhere, below rollout.min_servers={min_servers}", file=sys.stderr)
+                    code = supervisor.last_exit
+                    return code if code is not None and code > 0 else 1  # killed by a signal (negative): 1
+            time.sleep(max(0.0, min(ROLE_POLL_S, next_check - time.monotonic())))
     return 0
 
 
@@ -306,12 +319,50 @@ def _run_ranks(launcher: Sequence[str], *, signals: _Signals) -> tuple[int, str]
         signals.child = subprocess.Popen(list(launcher), env={**os.environ, RANK_EXIT_DIR_ENV: str(exit_dir)},
                                          preexec_fn=exit_with_parent_preexec())
         code = signals.child.wait()
-        errors = [path.read_text().strip() for path in sorted(exit_dir.glob("rank_*"))]
+        failures = [RankFailure.read(path) for path in sorted(exit_dir.glob("rank_*"))]
     finally:
         shutil.rmtree(exit_dir, ignore_errors=True)
-    if code != 0 and errors:
-        return EXIT_USER_ERROR, errors[0]
-    return code, f"trainer exited with {code}"
+    if code == 0 or not failures:
+        return code, f"trainer exited with {code}"
+    first = root_cause(failures)
+    if first.user_error:
+        return EXIT_USER_ERROR, first.line
+    return code, f"trainer exited with {code}: {first.line}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """What one torchrun rank failed with, as it leaves it in the node's rank-exit folder."""
+
+    time_ns: int  # wall clock when the rank caught it: the ranks of a node share the clock
+    user_error: bool
+    line: str  # "rank N: Type: message", the first line shown in the campaign's status
+
+    @classmethod
+    def of(cls, error: BaseException, *, rank: int) -> RankFailure:
+        message = str(error).splitlines()[0] if str(error) else ""
+        return cls(time.time_ns(), isinstance(error, USER_ERRORS), f"rank {rank}: {type(error).__name__}: {message}")
+
+    def write(self, exit_dir: str | Path, rank: int) -> None:
+        Path(exit_dir, f"rank_{rank:05d}").write_text(json.dumps(dataclasses.asdict(self)) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> RankFailure:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError):  # a rank killed mid-write: still a failure of that rank
+            return cls(path.stat().st_mtime_ns, False, f"{path.name}: {path.read_text().strip()[:200]}")
+
+
+def root_cause(failures: Sequence[RankFailure]) -> RankFailure:
+    """The failure that came first: the others are usually its consequences.
+
+    A rank that hits a bug exits, and its peers then fail in their next collective or checkpoint
+    exchange ("Connection closed by peer", which megatron's loader raises as a CheckpointError):
+    later, and misleading. Reporting the earliest keeps the root cause, and decides whether the
+    job is a user error (exit 2, no requeue) or a crash (torchrun's status, requeued).
+    """
+    return min(failures, key=lambda failure: failure.time_ns)
 
 
 def _mark_attempt_done(plan: CampaignPlan, stage: Stage, token: str) -> None:
@@ -361,17 +412,18 @@ def stage_context(stage: Stage):
 def run_worker(stage: Stage) -> int:
     """One torchrun rank: the stage under torchrun's RANK/WORLD_SIZE/MASTER_ADDR.
 
-    A user error is written to the node's rank-exit folder (torchrun would report it as a
-    plain failure) and re-raised: the CLI prints it and exits 2.
+    Any failure is recorded in the node's rank-exit folder (torchrun would report it as a plain
+    failure of some rank) and re-raised: the CLI prints a user error and exits 2, a crash has its
+    traceback.
     """
     try:
         with _helpers_ignore_usr1():
             run_stage(with_servers(stage, _servers_from_env()), context=stage_context(stage))
-    except USER_ERRORS as error:
+    except Exception as error:  # noqa: BLE001 - recorded for the node role, then re-raised
         exit_dir = os.environ.get(RANK_EXIT_DIR_ENV)
         if exit_dir:
-            rank = os.environ.get("RANK", "0")
-            Path(exit_dir, f"rank_{int(rank):05d}").write_text(f"rank {rank}: {type(error).__name__}: {error}\n")
+            rank = int(os.environ.get("RANK", "0"))
+            RankFailure.of(error, rank=rank).write(exit_dir, rank)
         raise
     return 0
 

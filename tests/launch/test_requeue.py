@@ -103,36 +103,69 @@ def test_a_user_error_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
     assert CampaignStatus(tmp_path).read()["curate"]["state"] == "failed"
 
 
+def _failing_ranks(*failures: tuple[int, int, bool, str]) -> str:
+    """A torchrun stand-in: writes each (rank, time_ns, user_error, line) record, then exits 1 like torchrun."""
+    records = [(rank, json.dumps({"time_ns": t, "user_error": user, "line": line})) for rank, t, user, line in failures]
+    return ("import os, pathlib; d = os.environ['WINNOW_RANK_EXIT_DIR']; "
+            f"[pathlib.Path(d, f'rank_{{r:05d}}').write_text(text) for r, text in {records!r}]; raise SystemExit(1)")
+
+
 def test_a_ranks_user_error_reaches_the_node_as_2(tmp_path):
-    """torchrun exits 1 whatever its ranks exit with; the rank's line in the exit folder restores the 2."""
+    """torchrun exits 1 whatever its ranks exit with; the rank's record in the exit folder restores the 2."""
     plan = cpu_campaign(output_dir=tmp_path, tiny=True)
     plan = dataclasses.replace(plan, stages=[dataclasses.replace(plan.stage("rl-grpo"), depends_on=(),
                                                                  resources=Resources(requeues=3))])
     plan.save()
-    rank = ("import os, pathlib; d = os.environ['WINNOW_RANK_EXIT_DIR']; "
-            "pathlib.Path(d, 'rank_00001').write_text('rank 1: CheckpointError: no step_* in /ckpt'); "
-            "raise SystemExit(1)")
     args = ["node", "--campaign-dir", str(tmp_path), "--stage", "rl-grpo", "--", sys.executable, "-c"]
+    rank = _failing_ranks((1, 10, True, "rank 1: CheckpointError: no step_* in /ckpt"))
     assert task_main([*args, rank]) == EXIT_USER_ERROR
     record = CampaignStatus(tmp_path).read()["rl-grpo"]
     assert (record["state"], record["error"]) == ("failed", "rank 1: CheckpointError: no step_* in /ckpt")
-    # Without a rank's line, a failure is transient: the node keeps torchrun's status and says so.
+    # Without a rank's record, a failure is transient: the node keeps torchrun's status and says so.
     assert task_main([*args, "raise SystemExit(1)"]) == 1
     assert CampaignStatus(tmp_path).read()["rl-grpo"]["error"] == "trainer exited with 1; requeued"
 
 
-def test_a_worker_writes_its_user_error_for_the_node(tmp_path, monkeypatch):
+def test_the_node_reports_the_rank_that_failed_first(tmp_path):
+    """Rank 0 crashes; rank 1 then loses its peer and raises a CheckpointError (a user error) a moment later.
+
+    The status names rank 0's crash, and the job is a crash (torchrun's 1, requeued), not a user
+    error: reporting rank 1's later "connection closed" error would send the user after a
+    checkpoint that is fine, and would not requeue a transient crash.
+    """
+    plan = cpu_campaign(output_dir=tmp_path, tiny=True)
+    plan = dataclasses.replace(plan, stages=[dataclasses.replace(plan.stage("rl-grpo"), depends_on=(),
+                                                                 resources=Resources(requeues=3))])
+    plan.save()
+    args = ["node", "--campaign-dir", str(tmp_path), "--stage", "rl-grpo", "--", sys.executable, "-c"]
+    ranks = _failing_ranks((1, 2_000, True, "rank 1: CheckpointError: Connection closed by peer"),
+                           (0, 1_000, False, "rank 0: AssertionError: step 1 has a zero gradient"))
+    assert task_main([*args, ranks]) == 1
+    assert CampaignStatus(tmp_path).read()["rl-grpo"]["error"] == (
+        "trainer exited with 1: rank 0: AssertionError: step 1 has a zero gradient; requeued")
+    # The same two failures the other way round: the user error came first and decides.
+    ranks = _failing_ranks((1, 1_000, True, "rank 1: CheckpointError: no step_* in /ckpt"),
+                           (0, 2_000, False, "rank 0: RuntimeError: Connection closed by peer"))
+    assert task_main([*args, ranks]) == EXIT_USER_ERROR
+    assert CampaignStatus(tmp_path).read()["rl-grpo"]["error"] == "rank 1: CheckpointError: no step_* in /ckpt"
+
+
+@pytest.mark.parametrize("error, user_error", [(ConfigError("data.train: not a file"), True),
+                                                (AssertionError("step 1 has a zero gradient\ntraceback"), False)])
+def test_a_worker_records_its_failure_for_the_node(tmp_path, monkeypatch, error, user_error):
     stage = cpu_campaign(output_dir=tmp_path, tiny=True).stage("curate")
 
     def bad(stage, context=None):
-        raise ConfigError("data.train: not a file")
+        raise error
 
     monkeypatch.setattr(task, "run_stage", bad)
     monkeypatch.setenv(task.RANK_EXIT_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "3")
-    with pytest.raises(ConfigError):
+    with pytest.raises(type(error)):
         task.run_worker(stage)
-    assert (tmp_path / "rank_00003").read_text() == "rank 3: ConfigError: data.train: not a file\n"
+    record = task.RankFailure.read(tmp_path / "rank_00003")
+    assert record.user_error is user_error
+    assert record.line == f"rank 3: {type(error).__name__}: {str(error).splitlines()[0]}"
 
 
 # ---------------------------------------------------------------- the collective timeout

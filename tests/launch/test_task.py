@@ -139,6 +139,16 @@ def test_serve_stops_on_this_attempts_marker_only(tmp_path):
                       poll_s=0.1) == 4
 
 
+def test_serve_ends_soon_after_the_marker_whatever_its_probe_interval(tmp_path):
+    """The job of a stage with servers ends when the serve role sees the trainer's marker: not a probe interval later."""
+    marker = tmp_path / "rl.done"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    threading.Timer(0.5, lambda: marker.write_text("9:0\n")).start()
+    started = time.monotonic()
+    assert task.serve([sleeper], done_marker=marker, token="9:0", poll_s=30.0) == 0
+    assert time.monotonic() - started < 0.5 + task.ROLE_POLL_S + 1.0
+
+
 # The serve role in a process of its own, over two servers that record their process ids and sleep.
 SERVE_SCRIPT = """
 import sys
