@@ -736,45 +736,27 @@ def base_scores(settings: Settings, *, evaluate: Callable[[Any, Any], dict[str, 
 def run_arm(settings: Settings, cfg, *, run: str, seed: int, context, evaluate, base: dict[str, float],
             flops_model: StepFlopsModel) -> dict[str, Any]:
     """Train in chunks of ``eval_every`` steps, scoring each checkpoint, until the budget or the step cap;
-    resumes from the newest checkpoint with the evaluations it had."""
-    from pipeline.checkpoint.manager import CheckpointManager
-    from pipeline.eval.policy import load_policy
-    from pipeline.stages.bootstrap import run_bootstrap
-    from pipeline.stages.rl import run_rl
+    resumes from the newest checkpoint with the evaluations it had (``tools.bench.chunks``)."""
+    from tools.bench.chunks import train_in_chunks
 
     run_dir = settings.run_dir(run, seed)
-    curve_path = run_dir / "curve.jsonl"
-    checkpoints = CheckpointManager(cfg.checkpoint.directory, keep_last=1)
-
-    def checkpoint_step() -> int:
-        newest = checkpoints.newest_valid()
-        return int(newest.name.removeprefix("step_")) if newest is not None else 0
-
-    done = checkpoint_step()
-    previous = [json.loads(line) for line in curve_path.read_text().splitlines()] if curve_path.is_file() else []
-    curve = [point for point in previous if point["step"] <= done] or [
-        {**base, "step": 0, "flops": 0.0, "entropy": None}]
     started = time.perf_counter()
-    tokenizer_dir = run_bootstrap(cfg.bootstrap, context=context).tokenizer_dir  # RL checkpoints carry none
 
-    def evaluate_checkpoint(step: int) -> None:
-        policy = load_policy(cfg.checkpoint.directory, tokenizer=tokenizer_dir, context=context)
-        costs = cumulative_costs(step_rows(run_dir / "metrics.jsonl"), step, since=curve[-1]["step"],
+    def score(policy, step: int, previous: dict[str, Any]) -> dict[str, Any]:
+        costs = cumulative_costs(step_rows(run_dir / "metrics.jsonl"), step, since=previous["step"],
                                  model=flops_model)
-        curve.append({**evaluate(policy.hf_model, policy.tokenizer), **costs, "step": step})
-        curve_path.write_text("".join(json.dumps(point) + "\n" for point in curve))
-        print(f"[methods] {run} seed {seed} step {step}: pass@1 {curve[-1]['pass@1']:.3f} at "
-              f"{curve[-1]['flops']:.3g} FLOPs", flush=True)
+        point = {**evaluate(policy.hf_model, policy.tokenizer), **costs}
+        print(f"[methods] {run} seed {seed} step {step}: pass@1 {point['pass@1']:.3f} at "
+              f"{point['flops']:.3g} FLOPs", flush=True)
+        return point
 
-    if done > curve[-1]["step"]:  # stopped after training a chunk, before scoring it
-        evaluate_checkpoint(done)
-    while not run_finished(curve[-1], budget=settings.flops_budget, max_steps=settings.max_steps):
-        target = done + settings.eval_every
-        run_rl(cfg, context=context, max_steps=target - done)
-        done = checkpoint_step()
-        if done < target:  # run_rl honoured SIGTERM/SIGUSR1 and checkpointed early
-            raise SystemExit(f"[methods] {run} seed {seed} stopped at step {done}; rerun to resume")
-        evaluate_checkpoint(done)
+    def next_step(done: int, last: dict[str, Any]) -> int | None:
+        finished = run_finished(last, budget=settings.flops_budget, max_steps=settings.max_steps)
+        return None if finished else done + settings.eval_every
+
+    curve = train_in_chunks(cfg, context=context, curve_path=run_dir / "curve.jsonl",
+                            first_point=lambda: {**base, "flops": 0.0, "entropy": None}, score=score,
+                            next_step=next_step, label=f"[methods] {run} seed {seed}")
     rows = step_rows(run_dir / "metrics.jsonl")
     return {"run": run, "seed": seed, "curve": curve, "first_step_entropy": rows[1]["entropy"],
             "reached_budget": curve[-1]["flops"] >= settings.flops_budget,

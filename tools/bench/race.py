@@ -149,12 +149,6 @@ def method_config(method: str, seed: int, settings: RaceSettings, *, recipe: Cal
     ])
 
 
-def _read_curve(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _costs_at(metrics_rows: list[dict[str, Any]], step: int, *, since: int) -> dict[str, float]:
     """Cumulative costs after ``step`` RL steps, from run_rl's metrics rows (row 0 is the initial evaluation),
     and the policy's mean token entropy over the steps after ``since`` (the previous evaluation point)."""
@@ -190,50 +184,30 @@ def base_scores(settings: RaceSettings, *, context, heldout, pool) -> dict[str, 
 def run_rl_method(method: str, seed: int, *, settings: RaceSettings, context, heldout, pool,
                   recipe: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Train ``method`` (or ``recipe``, see ``method_config``) in chunks between evaluation points;
-    resume from the newest checkpoint."""
-    from pipeline.checkpoint.manager import CheckpointManager
-    from pipeline.eval.policy import load_policy
+    resume from the newest checkpoint (``tools.bench.chunks``)."""
     from pipeline.metrics import read_metrics
-    from pipeline.stages.bootstrap import run_bootstrap
-    from pipeline.stages.rl import run_rl
+    from tools.bench.chunks import train_in_chunks
 
     cfg = method_config(method, seed, settings, recipe=recipe)
     run_dir = settings.run_dir(method, seed)
-    curve_path = run_dir / "curve.jsonl"
-    checkpoints = CheckpointManager(cfg.checkpoint.directory, keep_last=1)
-
-    def checkpoint_step() -> int:
-        newest = checkpoints.newest_valid()
-        return int(newest.name.removeprefix("step_")) if newest is not None else 0
-
-    done = checkpoint_step()
-    curve = [row for row in _read_curve(curve_path) if row["step"] <= done]
-    if not curve:
-        curve = [{**base_scores(settings, context=context, heldout=heldout, pool=pool),
-                  "steps": 0, "tokens_generated": 0, "tokens_with_gradient": 0, "wall_s": 0.0, "entropy": None,
-                  "step": 0}]
     started = time.perf_counter()
 
-    tokenizer_dir = run_bootstrap(cfg.bootstrap, context=context).tokenizer_dir  # RL checkpoints carry none
+    def first_point() -> dict[str, Any]:
+        return {**base_scores(settings, context=context, heldout=heldout, pool=pool),
+                "steps": 0, "tokens_generated": 0, "tokens_with_gradient": 0, "wall_s": 0.0, "entropy": None}
 
-    def evaluate_checkpoint(step: int) -> None:
-        policy = load_policy(cfg.checkpoint.directory, tokenizer=tokenizer_dir, context=context)
+    def score(policy, step: int, previous: dict[str, Any]) -> dict[str, Any]:
         scores = heldout_scores(model=policy.hf_model, tokenizer=policy.tokenizer, prompts=heldout,
                                 num_samples=settings.eval_samples, max_new_tokens=cfg.max_new_tokens,
                                 temperature=cfg.temperature, seed=settings.eval_seed, pool=pool,
                                 template=cfg.data.template)
-        costs = _costs_at(read_metrics(run_dir / "metrics.jsonl"), step, since=curve[-1]["step"])
-        curve.append({**scores, **costs, "step": step})
-        curve_path.write_text("".join(json.dumps(row) + "\n" for row in curve))
+        return {**scores, **_costs_at(read_metrics(run_dir / "metrics.jsonl"), step, since=previous["step"])}
 
-    if done > curve[-1]["step"]:  # stopped after training a chunk, before scoring it
-        evaluate_checkpoint(done)
-    for target_step in (s for s in settings.eval_steps if s > done):
-        run_rl(cfg, context=context, max_steps=target_step - done)
-        done = checkpoint_step()
-        if done < target_step:  # run_rl honoured SIGTERM/SIGUSR1 and checkpointed early
-            raise SystemExit(f"[race] {method} seed {seed} stopped at step {done}; rerun the race to resume")
-        evaluate_checkpoint(done)
+    def next_step(done: int, last: dict[str, Any]) -> int | None:  # noqa: ARG001 - fixed evaluation steps
+        return next((s for s in settings.eval_steps if s > done), None)
+
+    curve = train_in_chunks(cfg, context=context, curve_path=run_dir / "curve.jsonl", first_point=first_point,
+                            score=score, next_step=next_step, label=f"[race] {method} seed {seed}")
     # E3's H_init (Eq. 4): the entropy of the first batch, what its temperature scheduler holds the policy to.
     first_step = next(row for row in read_metrics(run_dir / "metrics.jsonl") if row["step"] == 1)
     return {"method": method, "seed": seed, "curve": curve, "final": curve[-1],
