@@ -10,10 +10,12 @@ out of range with the dotted field path in the message.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import Any, Literal
 
 from pipeline.configlib import ConfigError, option, section
+from pipeline.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -912,13 +914,161 @@ class TrainEstimatorConfig:
             raise ConfigError(f"max_length: MiniLM has 512 positions, got {self.max_length}")
 
 
-# Every stage's config by the stage's name: the `winnow` command that runs it alone and the
-# campaign stage kind that runs it in a plan (``pipeline/launch/campaign.py`` adds ``export``,
-# whose options are ``winnow convert``'s flags; the CLI adds its non-stage commands).
-STAGE_CONFIGS: dict[str, type] = {
-    "bootstrap": BootstrapConfig,
-    "curate": CurateConfig,
-    "train-estimator": TrainEstimatorConfig,
-    "rl": RLConfig,
-    "evaluate": EvaluateConfig,
-}
+# ================================================================ campaign stages
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportConfig:
+    """The campaign's export stage: ``winnow convert megatron-to-hf`` of one run's checkpoints."""
+
+    checkpoint: str = option(help="a run's checkpoint directory (its `latest`) or one step_* directory")
+    out: str = option(help="the Hugging Face folder to create (replaced atomically on a rerun)")
+    tokenizer: str | None = option(None, help="tokenizer folder to copy (null: found next to the checkpoint)")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", help="weights dtype of the export")
+    verify: bool = option(True, help="compare the export's logits with the checkpoint's before publishing it")
+
+
+@dataclass(kw_only=True, slots=True)
+class ConvertConfig:
+    """The campaign's conversion stage: ``winnow convert hf-to-megatron`` of the base model, once.
+
+    The trainer starts from a winnow checkpoint, the SGLang servers from the Hugging Face
+    folder: an H100 campaign converts the folder here and hands each side its own format.
+    """
+
+    hf: str = option(help="the Hugging Face model folder")
+    out: str = option(help="the winnow run directory to create (replaced atomically on a rerun)")
+    verify: bool = option(True, help="compare the converted checkpoint's logits with the HF model's")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutServers:
+    """SGLang servers on nodes of their own, next to the trainer nodes of the same job.
+
+    An rl stage syncs its weights to them every step; a curate or evaluate stage has them
+    load the policy it scores once (``pipeline.eval.sharded.policy_engine``), so they may
+    start from any Hugging Face folder of the same architecture (``model_path``).
+    """
+
+    nodes: int = option(ge=1, help="nodes running SGLang servers (after the trainer nodes of the allocation)")
+    servers_per_node: int = option(1, ge=1, help="servers per rollout node (each uses gpus_per_node / this GPUs)")
+    tensor_parallel: int = option(1, ge=1, help="SGLang --tp-size of each server")
+    port: int = option(30000, ge=1024, le=65000, help="port of a node's first server; the next ones count up")
+    extra_args: list[str] = option(default_factory=list, help="more `sglang.launch_server` arguments")
+    model_path: str | None = option(
+        None, help="the Hugging Face folder the servers load at start (null: the stage's policy, which must "
+                   "then be one); an rl trainer's policy is the same weights converted, and an evaluate stage, "
+                   "whose policy is usually a checkpoint, needs one"
+    )
+    startup_timeout_s: float = option(1800.0, gt=0, help="how long the trainer waits for every server's /health")
+    server: Literal["sglang", "standin"] = option(
+        "sglang", help="the server program: SGLang, or winnow's CPU stand-in for it (`python -m "
+                       "pipeline.cli.standin`, what a rehearsal runs: same command line and HTTP protocol)"
+    )
+    colocated: bool = option(
+        False, help="the servers run on the trainer's first node beside its ranks, on the GPUs after the "
+                    "trainer's (a node shared by trainer and servers, or a one-node rehearsal); needs nodes=1"
+    )
+
+    def __post_init__(self) -> None:
+        if self.colocated and self.nodes != 1:
+            raise ConfigError(f"rollout.nodes: co-located servers run on the trainer's first node; got "
+                              f"nodes={self.nodes}")
+        # The client's in-flight limit is derived from the same number: one option sets both.
+        if any(arg.split("=", 1)[0] == "--max-running-requests" for arg in self.extra_args):
+            raise ConfigError("rollout.extra_args: --max-running-requests is set by the stage's "
+                              "config.rollout.max_running_requests_per_server (the client's limit follows it)")
+
+
+@dataclass(kw_only=True, slots=True)
+class Resources:
+    """What one stage runs on. Trainer ranks: ``nodes × ranks_per_node`` processes under torchrun."""
+
+    nodes: int = option(1, ge=1, help="trainer nodes")
+    ranks_per_node: int = option(1, ge=1, help="processes per trainer node (one per GPU on GPU nodes)")
+    gpus_per_node: int = option(0, ge=0, help="GPUs requested per node (0: a CPU stage)")
+    rollout: RolloutServers | None = option(
+        None, help="SGLang servers for an rl, curate or evaluate stage (null: the local engine)"
+    )
+    time_limit: str | None = option(None, help="SLURM time limit of the stage's job (null: the profile's)")
+    requeues: int = option(
+        0, ge=0, help="times the job is requeued after a transient failure (a checkpointed stop, a killed task, "
+                      "a lost node); never after a user error (exit 2)"
+    )
+
+    @property
+    def num_ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def total_nodes(self) -> int:
+        return self.nodes + (self.rollout.nodes if self.rollout and not self.rollout.colocated else 0)
+
+
+def _rl_trainer_layout(name: str, cfg: RLConfig, resources: Resources) -> None:
+    """An rl stage's ranks run megatron's trainer: one rank per GPU, in whole TP × PP model replicas."""
+    model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+    if resources.gpus_per_node and resources.ranks_per_node != resources.gpus_per_node:
+        raise ConfigError(f"stages.{name}.resources.ranks_per_node: {resources.ranks_per_node} rank(s) on "
+                          f"{resources.gpus_per_node} GPUs per node; an rl stage runs one rank per GPU")
+    if resources.num_ranks % model_parallel:
+        raise ConfigError(f"stages.{name}.resources: {resources.num_ranks} rank(s) are not a multiple of "
+                          f"TP x PP = {model_parallel} (config.parallel)")
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class StageKind:
+    """One kind of campaign stage: its config class and what the launcher may give it.
+
+    Every property of a kind lives here, so adding a kind is one entry in ``STAGE_KINDS``
+    (and its runner, attached by ``pipeline.launch.campaign.stage_runner``).
+    """
+
+    name: str
+    config: type  # the stage's config dataclass
+    # `winnow <name>` runs the stage alone with these options (export and convert take
+    # `winnow convert`'s flags instead): `winnow config show|docs` list it as a command.
+    command: bool = False
+    multi_rank: bool = False  # may run on more than one rank (torchrun under the node role)
+    rollout_servers: bool = False  # generates through its config's `rollout` block, so may use SGLang servers
+    # Its policy is usually a winnow checkpoint, which servers cannot start from: they need
+    # `resources.rollout.model_path`, a Hugging Face folder of the policy's architecture.
+    servers_need_model_path: bool = False
+    # Converts a whole model on one process, with its logit gate: a CPU job whose memory
+    # follows the model's size (``pipeline.launch.nemo.conversion_memory_bytes``).
+    converts_model: bool = False
+    # Checkpoints on SIGTERM/SIGUSR1 and resumes from `latest`: its SLURM job gets SIGUSR1
+    # ahead of the time limit, and a stop is a requeue, not a failure.
+    checkpoints_on_signal: bool = False
+    # Generates: the dotted option of its config holding the generation length (what a launch
+    # override names, ``<stage>.<option>=N``), checked against the model's context by the planner.
+    generation_length_option: str | None = None
+    # (stage name, config, resources) → None, or a ConfigError for resources the kind cannot
+    # run on beyond the checks every kind gets (None: those only).
+    check_resources: Callable[[str, Any, Resources], None] | None = None
+    # Runs one stage in this process: (config, *, context, out) → "done" or "stopped". Set where
+    # the runners are defined (the launch floor; this floor cannot import them).
+    runner: Callable[..., str] | None = None
+
+
+def _stage_kinds(*kinds: StageKind) -> Registry[StageKind]:
+    table: Registry[StageKind] = Registry("stage kind")
+    for kind in kinds:
+        table.add(kind.name, kind)
+    return table
+
+
+# Every campaign stage kind, the one list of them: the CLI's `winnow launch stage KIND`, a plan's
+# validation and campaign.json, the launcher's job shapes and the documentation all read it.
+STAGE_KINDS: Registry[StageKind] = _stage_kinds(
+    StageKind(name="bootstrap", config=BootstrapConfig, command=True, multi_rank=True),
+    StageKind(name="curate", config=CurateConfig, command=True, rollout_servers=True,
+              generation_length_option="max_new_tokens"),
+    StageKind(name="train-estimator", config=TrainEstimatorConfig, command=True),
+    StageKind(name="rl", config=RLConfig, command=True, multi_rank=True, rollout_servers=True,
+              checkpoints_on_signal=True, check_resources=_rl_trainer_layout, generation_length_option="max_new_tokens"),
+    StageKind(name="evaluate", config=EvaluateConfig, command=True, rollout_servers=True,
+              servers_need_model_path=True, generation_length_option="eval.max_new_tokens"),
+    StageKind(name="export", config=ExportConfig, converts_model=True),
+    StageKind(name="convert", config=ConvertConfig, converts_model=True),
+)

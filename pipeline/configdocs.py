@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
-from collections.abc import Mapping
+import types
+from collections.abc import Iterator, Mapping
 
 from pipeline import configlib
+from pipeline.config import STAGE_KINDS, Resources, RolloutServers
 
 HEADER = """# Configuration
 
@@ -16,21 +20,82 @@ be set in a YAML file (`--config run.yaml`) or as a dotted override on the comma
 load with the option's path and what is allowed.
 """
 
+CAMPAIGN_HEADER = """
+# Campaign stages
+
+A campaign (`winnow launch campaign`, `winnow launch stage KIND`) is a DAG of stages, each a
+kind, that kind's config and the `resources` it runs on (`pipeline.config.STAGE_KINDS`; a
+recipe's overrides name them `<stage>.<option>=value`). A kind that is also a command is
+documented under that command above.
+"""
+
+# The options of a campaign stage beyond its kind's config: its job's shape and servers.
+RESOURCE_SECTIONS: dict[str, type] = {"resources": Resources, "resources.rollout": RolloutServers}
+
+
+class _Required:
+    """The default column of an option that has none: the config must set it."""
+
+
+REQUIRED = _Required()
+
 
 def _format_default(value: object) -> str:
+    if value is REQUIRED:
+        return "required"
     return "`" + json.dumps(value, ensure_ascii=False) + "`"
 
 
-def render_configuration_markdown(stage_configs: Mapping[str, type]) -> str:
+def _defaults(cls: type) -> object:
+    """What ``configlib.iter_options`` reads each option's default from.
+
+    An instance where every option has a default (its ``__post_init__`` may adjust them, as the
+    config is then used); otherwise the declared defaults, ``REQUIRED`` for the options without
+    one (``cls()`` would fail).
+    """
+    fields = dataclasses.fields(cls)
+    if all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING for f in fields):
+        return cls()
+    return types.SimpleNamespace(**{
+        f.name: f.default if f.default is not dataclasses.MISSING
+        else f.default_factory() if f.default_factory is not dataclasses.MISSING else REQUIRED
+        for f in fields})
+
+
+def _options(cls: type) -> Iterator[tuple[str, str, object, str]]:
+    return configlib.iter_options(cls, defaults=_defaults(cls))
+
+
+def _section(name: str, cls: type) -> list[str]:
+    parts = [f"\n## `{name}` ({cls.__name__})\n"]
+    if cls.__doc__:
+        parts.append(inspect.cleandoc(cls.__doc__) + "\n")  # without the indentation of its later lines
+    parts.append("\n| option | type | default | meaning |\n|---|---|---|---|")
+    for path, type_text, default, help_text in _options(cls):
+        parts.append(
+            f"| `{path}` | {type_text.replace('|', '/')} | {_format_default(default)} | {help_text.replace('|', '/')} |"
+        )
+    parts.append("")
+    return parts
+
+
+def _stage_kinds_table() -> list[str]:
+    rows = ["| kind | config | ranks | rollout servers |", "|---|---|---|---|"]
+    for kind in STAGE_KINDS.values():
+        rows.append(f"| `{kind.name}` | {kind.config.__name__} | {'several' if kind.multi_rank else 'one'} | "
+                    f"{'yes' if kind.rollout_servers else 'no'} |")
+    return rows
+
+
+def render_configuration_markdown(command_configs: Mapping[str, type]) -> str:
+    """The page: every command's config, then the campaign stage kinds, their configs and resources."""
     parts = [HEADER]
-    for stage, cls in stage_configs.items():
-        parts.append(f"\n## `{stage}` ({cls.__name__})\n")
-        if cls.__doc__:
-            parts.append(cls.__doc__.strip() + "\n")
-        parts.append("\n| option | type | default | meaning |\n|---|---|---|---|")
-        for path, type_text, default, help_text in configlib.iter_options(cls):
-            parts.append(
-                f"| `{path}` | {type_text.replace('|', '/')} | {_format_default(default)} | {help_text.replace('|', '/')} |"
-            )
-        parts.append("")
+    for command, cls in command_configs.items():
+        parts += _section(command, cls)
+    parts += [CAMPAIGN_HEADER, *_stage_kinds_table(), ""]
+    for kind in STAGE_KINDS.values():
+        if command_configs.get(kind.name) is not kind.config:
+            parts += _section(kind.name, kind.config)
+    for name, cls in RESOURCE_SECTIONS.items():
+        parts += _section(name, cls)
     return "\n".join(parts)

@@ -282,10 +282,23 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return result
 
 
+def _defaults(cls: type) -> dict[str, Any]:
+    """The plain data of ``cls``'s defaults: every init field that has one (all of them: ``to_dict(cls())``)."""
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    if all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING for f in fields):
+        return to_dict(cls())
+    return {f.name: to_dict(f.default if f.default is not dataclasses.MISSING else f.default_factory())
+            for f in fields if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
+
 def load(cls: type[T], *, base: T | None = None, yaml_path: str | Path | None = None,
          overrides: Sequence[str] = ()) -> T:
-    """base (or defaults) ← YAML file ← dotted overrides, validated as ``cls``."""
-    data = to_dict(base if base is not None else cls())
+    """base (or defaults) ← YAML file ← dotted overrides, validated as ``cls``.
+
+    A class with required options (no default) starts from the defaults it has; ``from_dict``
+    then names each required option the file and overrides left out.
+    """
+    data = to_dict(base) if base is not None else _defaults(cls)
     if yaml_path is not None:
         try:
             loaded = _yaml_load(Path(yaml_path).read_text())

@@ -22,10 +22,11 @@ from pipeline.config import (
     EvalConfig,
     EvaluateConfig,
     ModelConfig,
+    Resources,
     RewardConfig,
     TrainEstimatorConfig,
 )
-from pipeline.launch.campaign import Resources, Stage, run_stage
+from pipeline.launch.campaign import Stage, run_stage
 
 # ================================================================ CPU presets
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pipeline import configlib
 from pipeline.cli.common import run_handler
 from pipeline.config import (
-    STAGE_CONFIGS,
+    STAGE_KINDS,
     BootstrapConfig,
     DataInspectConfig,
     DemoConfig,
@@ -26,9 +26,14 @@ from pipeline.config import (
 )
 from pipeline.errors import EXIT_USER_ERROR, UserError  # noqa: F401 (EXIT_USER_ERROR: the status callers check)
 
-# Every command whose options are a config dataclass (`winnow config show|docs`).
-COMMAND_CONFIGS: dict[str, type] = dict(sorted({**STAGE_CONFIGS, "data-inspect": DataInspectConfig,
-                                                "demo": DemoConfig}.items()))
+# Every command whose options are a config dataclass (`winnow config show|docs`): the stage kinds
+# that are commands of their own, and the commands that are no stage.
+COMMAND_CONFIGS: dict[str, type] = dict(sorted({
+    **{kind.name: kind.config for kind in STAGE_KINDS.values() if kind.command},
+    "data-inspect": DataInspectConfig, "demo": DemoConfig,
+}.items()))
+# The stage kinds that may run on several ranks, as the launch flags' help names them.
+MULTI_RANK_KIND_NAMES = ", ".join(kind.name for kind in STAGE_KINDS.values() if kind.multi_rank)
 
 # megatron-core warns at import that it falls back from Apex/Transformer Engine to torch
 # kernels (on CPU that is the expected configuration), and its checkpoint code calls torch
@@ -248,7 +253,7 @@ def _add_executor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rehearse-events", choices=["on", "off"], default="on",
                         help="--rehearse: play the SIGUSR1 stop and the server kill during the rl stages")
     parser.add_argument("--executor.nodes", dest="executor_nodes", type=int, default=None, metavar="N",
-                        help="trainer nodes of the multi-rank stages (bootstrap, rl)")
+                        help=f"trainer nodes of the multi-rank stages ({MULTI_RANK_KIND_NAMES})")
     parser.add_argument("--executor.ranks-per-node", dest="executor_ranks_per_node", type=int, default=None,
                         metavar="N", help="ranks per trainer node of the multi-rank stages")
     parser.add_argument("--executor.time", dest="executor_time", default=None, metavar="TIME",
@@ -276,12 +281,11 @@ def _launch_campaign_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _launch_stage_arguments(parser: argparse.ArgumentParser) -> None:
-    from pipeline.launch.campaign import CAMPAIGN_STAGE_CONFIGS
-
-    parser.add_argument("kind", choices=sorted(CAMPAIGN_STAGE_CONFIGS), help="the stage to launch")
+    parser.add_argument("kind", choices=STAGE_KINDS.names(), help="the stage to launch")
     parser.add_argument("--config", metavar="YAML", help="a YAML file of the stage's options to load first")
     parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="processes per node (bootstrap, rl; default: one per GPU of --gpus-per-node, else 1)")
+                        help=f"processes per node ({MULTI_RANK_KIND_NAMES}; default: one per GPU of --gpus-per-node, "
+                             "else 1)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node the job requests")
     _add_executor_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of the stage's config")
@@ -410,9 +414,10 @@ def _launch_campaign(args: argparse.Namespace) -> int:
 
 
 def _launch_stage(args: argparse.Namespace) -> int:
-    from pipeline.launch.campaign import CAMPAIGN_STAGE_CONFIGS, CampaignPlan, Resources, Stage
+    from pipeline.config import Resources
+    from pipeline.launch.campaign import CampaignPlan, Stage
 
-    config = configlib.load(CAMPAIGN_STAGE_CONFIGS[args.kind], yaml_path=args.config, overrides=args.overrides)
+    config = configlib.load(STAGE_KINDS.get(args.kind).config, yaml_path=args.config, overrides=args.overrides)
     ranks = args.ranks_per_node if args.ranks_per_node is not None else max(1, args.gpus_per_node)
     resources = Resources(ranks_per_node=ranks, gpus_per_node=args.gpus_per_node)
     args.rehearsal_dir = args.rehearsal_dir or f"runs/rehearsals/{args.kind}"

@@ -4,7 +4,10 @@ Inputs: a model (``config.json``, Hugging Face folder or winnow checkpoint), the
 (a campaign recipe's rl stages, a paper preset, or ``--config`` YAML with overrides) and a
 cluster (a SLURM profile's GPUs per node, the GPU kind, trainer and rollout nodes). Prints
 the per-GPU memory table of every pipeline stage, the SGLang KV cache against a step's
-sequences, the requests the rollout client keeps in flight, the context check, the pipeline bubble, step time and GPU-hours at the printed
+sequences, the requests the rollout client keeps in flight, the context check, the pipeline bubble, the
+response lengths the step is timed with (the rl config's ``curation_dir`` when it holds a finished
+curation, else the planner's stated shape; ``--response-fraction`` moves that shape's mean) and the
+generation time beside its mean-length and all-max bounds, step time and GPU-hours at the printed
 assumptions, and the verdict with the smallest TP×PP layout that fits; with ``--recipe``, also
 the context check of the campaign's curate and evaluate stages on the same model. Exit status
 1 when the job does not fit. The planner itself is ``pipeline.launch.plan``.
@@ -78,7 +81,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, *, with_nodes: bool =
     group.add_argument("--rollout-mfu", type=float, default=planner.Assumptions().rollout_mfu,
                        help="assumed SGLang generation MFU")
     group.add_argument("--response-fraction", type=float, default=planner.Assumptions().response_fraction,
-                       help="assumed mean response length / max_new_tokens (time and GPU-hours only)")
+                       help="what-if: mean response length / max_new_tokens, the stated long-tail shape moved to "
+                            "this mean (1.0: every response at the cap; time and GPU-hours only). Default: the "
+                            "lengths the rl config's curation_dir measured, else the stated shape (median "
+                            f"{planner.Assumptions().response_median * 100:.0f}%%, p90 "
+                            f"{planner.Assumptions().response_p90 * 100:.0f}%% of max_new_tokens)")
     if not with_nodes:
         # The launch form (the stages' resources give the nodes): it submits, so it has a check to skip.
         group.add_argument("--skip-plan-check", action="store_true",
@@ -103,6 +110,22 @@ def _gpus_per_node(args: argparse.Namespace) -> int:
     return gpus
 
 
+def _response_lengths(cfg: Any, args: argparse.Namespace) -> planner.ResponseLengths | None:
+    """The measured response lengths of the rl config's ``curation_dir`` when it holds a finished curation
+    and ``--response-fraction`` does not override them; None: the planner's stated shape."""
+    fraction = args.response_fraction
+    if fraction is not None and not 0 < fraction <= 1:
+        raise UserError(f"--response-fraction: {fraction} is not a share of max_new_tokens in (0, 1]")
+    if fraction is not None or cfg.curation_dir is None:
+        return None
+    from pipeline.stats.curation import CurationError
+
+    try:
+        return planner.curation_lengths(cfg.curation_dir, max_new_tokens=cfg.max_new_tokens)
+    except CurationError:  # not curated yet (a campaign planned before it runs): the stated shape
+        return None
+
+
 def stage_inputs(cfg: Any, dims: planner.ModelDims, *, resources: Any, args: argparse.Namespace, num_runs: int,
                  gpus_per_node: int) -> planner.PlanInputs:
     """``PlanInputs`` for one rl config on a stage's resources (``resources``: a campaign ``Resources`` or None)."""
@@ -118,7 +141,7 @@ def stage_inputs(cfg: Any, dims: planner.ModelDims, *, resources: Any, args: arg
     )
     return planner.PlanInputs(
         dims=dims, layout=planner.layout_from_rl(cfg, trainer_gpus=cluster.trainer_gpus),
-        in_flight=planner.in_flight_from_rl(cfg, cluster),
+        in_flight=planner.in_flight_from_rl(cfg, cluster), response_lengths=_response_lengths(cfg, args),
         trainer=planner.trainer_settings_from_rl(cfg, **_trainer_options(args, cfg)),
         workload=planner.workload_from_rl(cfg, prompt_tokens=planner.prompt_allowance(dims, args.prompt_tokens),
                                           num_runs=num_runs),
@@ -173,10 +196,12 @@ def format_plan(result: planner.Plan, *, title: str) -> str:
                  f"of {dims.max_position_embeddings} positions: {context}")
     assumptions = inputs.assumptions
     time = result.time
-    lines.append(f"time (assumed: MFU {assumptions.mfu:.0%} trainer, {assumptions.rollout_mfu:.0%} rollout, mean "
-                 f"response {assumptions.response_fraction:.0%} of max_new_tokens, {cluster.gpu.peak_tflops:.0f} "
-                 f"TFLOPS bf16 peak): step {time.step_s:.0f} s (rollout {time.rollout_s:.0f} s, train "
-                 f"{time.train_s:.0f} s{', overlapped (rollout.max_staleness=1): the longer' if time.overlapped else ''}"
+    lines += format_generation(time)
+    recompute = f", {trainer.recompute} recompute {time.recompute_s:.0f} s of it" if time.recompute_s else ""
+    lines.append(f"time (assumed: MFU {assumptions.mfu:.0%} trainer, {assumptions.rollout_mfu:.0%} rollout, "
+                 f"{cluster.gpu.peak_tflops:.0f} TFLOPS bf16 peak): step {time.step_s:.0f} s (rollout "
+                 f"{time.rollout_s:.0f} s, train {time.train_s:.0f} s{recompute}"
+                 f"{', overlapped (rollout.max_staleness=1): the longer' if time.overlapped else ''}"
                  f", weight sync {time.sync_s:.1f} s ({_sync_assumption(workload.sync, assumptions) if cluster.rollout_nodes else 'in process'}); "
                  f"{time.rollout_flops:.2e} + {time.train_flops:.2e} FLOPs)")
     lines.append(f"run: {workload.steps} steps × {workload.num_runs} run(s) = {result.gpu_hours:,.0f} GPU-hours "
@@ -190,6 +215,25 @@ def format_plan(result: planner.Plan, *, title: str) -> str:
         lines += [f"  - {problem}" for problem in result.problems]
         lines.append(f"  smallest fitting layout: {smallest}")
     return "\n".join(lines)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def format_generation(time: planner.TimePlan) -> list[str]:
+    """The response lengths the step is timed with, and the generation time they give beside its bounds."""
+    lengths, batches = time.lengths, time.batches
+    where = (f"each of {batches.generators} server(s) (TP {batches.gpus_per_generator})" if batches.on_servers
+             else "rank 0's in-process engine (1 GPU)")
+    return [
+        f"responses ({lengths.source}): median {lengths.quantile(0.5):,.0f}, p90 {lengths.quantile(0.9):,.0f}, "
+        f"mean {lengths.mean:,.0f}, max {lengths.values[-1]:,.0f} of {lengths.max_new_tokens:,} tokens",
+        f"generation: {_seconds(time.generation_s)} s at the expected longest response of each batch (mean-length "
+        f"{_seconds(time.generation_mean_s)} s, all-max bound {_seconds(time.generation_max_s)} s); "
+        f"{batches.rounds} round(s) × {batches.waves} wave(s) of {batches.batch:,} sequences on {where}; "
+        f"prefill {time.prefill_s:.1f} s",
+    ]
 
 
 def _unreadable(context: planner.StageContext) -> str:
@@ -249,7 +293,7 @@ def recipe_contexts(args: argparse.Namespace, dims: planner.ModelDims) -> list[p
         return []
     contexts = []
     for stage in _recipe_campaign(args).stages:
-        if stage.kind in planner.GENERATION_FIELDS and stage.kind != "rl":
+        if stage.stage_kind.generation_length_option is not None and stage.kind != "rl":
             field_name, max_new_tokens = planner.stage_generation(stage)
             contexts.append(planner.StageContext(stage=stage.name, kind=stage.kind, field=field_name,
                                                  max_new_tokens=max_new_tokens, source=args.model, dims=dims))

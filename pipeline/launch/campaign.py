@@ -21,14 +21,25 @@ import dataclasses
 import fcntl
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pipeline import configlib
-from pipeline.config import STAGE_CONFIGS, BootstrapConfig, CurateConfig, EvaluateConfig, RLConfig, TrainEstimatorConfig
-from pipeline.configlib import ConfigError, option
+from pipeline.config import (
+    STAGE_KINDS,
+    BootstrapConfig,
+    ConvertConfig,
+    CurateConfig,
+    EvaluateConfig,
+    ExportConfig,
+    Resources,
+    RLConfig,
+    StageKind,
+    TrainEstimatorConfig,
+)
+from pipeline.configlib import ConfigError
 from pipeline.errors import EXIT_USER_ERROR
 from pipeline.io import atomic_write_json, resolve_cache_dir
 from pipeline.stages.preflight import PREFLIGHTS, CheckpointInputs, HfFolderInputs, preflight, register_preflight
@@ -51,31 +62,7 @@ EXIT_STOPPED_FOR_GOOD = 1
 StageOutcome = Literal["done", "stopped"]
 
 
-# ================================================================ stage configs and resources
-
-
-@dataclass(kw_only=True, slots=True)
-class ExportConfig:
-    """The campaign's export stage: ``winnow convert megatron-to-hf`` of one run's checkpoints."""
-
-    checkpoint: str = option(help="a run's checkpoint directory (its `latest`) or one step_* directory")
-    out: str = option(help="the Hugging Face folder to create (replaced atomically on a rerun)")
-    tokenizer: str | None = option(None, help="tokenizer folder to copy (null: found next to the checkpoint)")
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", help="weights dtype of the export")
-    verify: bool = option(True, help="compare the export's logits with the checkpoint's before publishing it")
-
-
-@dataclass(kw_only=True, slots=True)
-class ConvertConfig:
-    """The campaign's conversion stage: ``winnow convert hf-to-megatron`` of the base model, once.
-
-    The trainer starts from a winnow checkpoint, the SGLang servers from the Hugging Face
-    folder: an H100 campaign converts the folder here and hands each side its own format.
-    """
-
-    hf: str = option(help="the Hugging Face model folder")
-    out: str = option(help="the winnow run directory to create (replaced atomically on a rerun)")
-    verify: bool = option(True, help="compare the converted checkpoint's logits with the HF model's")
+# ================================================================ launch-only stage inputs, the DAG, job exits
 
 
 # The two launch-only stages check what `winnow convert` checks.
@@ -90,68 +77,42 @@ def _convert_inputs(cfg: ConvertConfig, found) -> None:
     PREFLIGHTS[HfFolderInputs](HfFolderInputs(hf=cfg.hf, out=cfg.out), found)
 
 
-@dataclass(kw_only=True, slots=True)
-class RolloutServers:
-    """SGLang servers on nodes of their own, next to the trainer nodes of the same job.
+def dependency_order(depends_on: Mapping[str, Sequence[str]]) -> list[str]:
+    """The names of ``depends_on`` (name → the names it depends on), each after all it depends on.
 
-    An rl stage syncs its weights to them every step; a curate or evaluate stage has them
-    load the policy it scores once (``pipeline.eval.sharded.policy_engine``), so they may
-    start from any Hugging Face folder of the same architecture (``model_path``).
+    Among names that are ready at once, the mapping's order: a plan runs as it is listed where
+    its edges allow. A cycle is a ``ConfigError`` naming the stages on or behind it.
     """
-
-    nodes: int = option(ge=1, help="nodes running SGLang servers (after the trainer nodes of the allocation)")
-    servers_per_node: int = option(1, ge=1, help="servers per rollout node (each uses gpus_per_node / this GPUs)")
-    tensor_parallel: int = option(1, ge=1, help="SGLang --tp-size of each server")
-    port: int = option(30000, ge=1024, le=65000, help="port of a node's first server; the next ones count up")
-    extra_args: list[str] = option(default_factory=list, help="more `sglang.launch_server` arguments")
-    model_path: str | None = option(
-        None, help="the Hugging Face folder the servers load at start (null: the stage's policy, which must "
-                   "then be one); an rl trainer's policy is the same weights converted, and an evaluate stage, "
-                   "whose policy is usually a checkpoint, needs one"
-    )
-    startup_timeout_s: float = option(1800.0, gt=0, help="how long the trainer waits for every server's /health")
-    server: Literal["sglang", "standin"] = option(
-        "sglang", help="the server program: SGLang, or winnow's CPU stand-in for it (`python -m "
-                       "pipeline.cli.standin`, what a rehearsal runs: same command line and HTTP protocol)"
-    )
-    colocated: bool = option(
-        False, help="the servers run on the trainer's first node beside its ranks, on the GPUs after the "
-                    "trainer's (a node shared by trainer and servers, or a one-node rehearsal); needs nodes=1"
-    )
-
-    def __post_init__(self) -> None:
-        if self.colocated and self.nodes != 1:
-            raise ConfigError(f"rollout.nodes: co-located servers run on the trainer's first node; got "
-                              f"nodes={self.nodes}")
-        # The client's in-flight limit is derived from the same number: one option sets both.
-        if any(arg.split("=", 1)[0] == "--max-running-requests" for arg in self.extra_args):
-            raise ConfigError("rollout.extra_args: --max-running-requests is set by the stage's "
-                              "config.rollout.max_running_requests_per_server (the client's limit follows it)")
+    placed: set[str] = set()
+    order: list[str] = []
+    remaining = list(depends_on)
+    while remaining:
+        ready = next((name for name in remaining if all(dep in placed for dep in depends_on[name])), None)
+        if ready is None:
+            raise ConfigError(f"stages: dependency cycle among {', '.join(remaining)}")
+        placed.add(ready)
+        order.append(ready)
+        remaining.remove(ready)
+    return order
 
 
-@dataclass(kw_only=True, slots=True)
-class Resources:
-    """What one stage runs on. Trainer ranks: ``nodes × ranks_per_node`` processes under torchrun."""
+def reachable(start: str, edges: Mapping[str, Sequence[str]]) -> list[str]:
+    """Every name reachable from ``start`` along ``edges`` (name → next names), nearest first.
 
-    nodes: int = option(1, ge=1, help="trainer nodes")
-    ranks_per_node: int = option(1, ge=1, help="processes per trainer node (one per GPU on GPU nodes)")
-    gpus_per_node: int = option(0, ge=0, help="GPUs requested per node (0: a CPU stage)")
-    rollout: RolloutServers | None = option(
-        None, help="SGLang servers for an rl, curate or evaluate stage (null: the local engine)"
-    )
-    time_limit: str | None = option(None, help="SLURM time limit of the stage's job (null: the profile's)")
-    requeues: int = option(
-        0, ge=0, help="times the job is requeued after a transient failure (a checkpointed stop, a killed task, "
-                      "a lost node); never after a user error (exit 2)"
-    )
-
-    @property
-    def num_ranks(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-    @property
-    def total_nodes(self) -> int:
-        return self.nodes + (self.rollout.nodes if self.rollout and not self.rollout.colocated else 0)
+    Breadth-first, each name once, ``start`` itself left out: along "depends on" edges the
+    stages a stage needs, along the reverse ones the stages that need it.
+    """
+    found: list[str] = []
+    seen = {start}
+    frontier = [start]
+    while frontier:
+        current = frontier.pop(0)
+        for name in edges.get(current, ()):
+            if name not in seen:
+                seen.add(name)
+                found.append(name)
+                frontier.append(name)
+    return found
 
 
 def job_exit(code: int, *, restarts: int, requeues: int) -> tuple[bool, int]:
@@ -168,14 +129,6 @@ def job_exit(code: int, *, restarts: int, requeues: int) -> tuple[bool, int]:
     return False, EXIT_STOPPED_FOR_GOOD if code == EXIT_REQUEUE else code
 
 
-# kind → config class: every stage, the export of a run to Hugging Face, the conversion of a base model.
-CAMPAIGN_STAGE_CONFIGS: dict[str, type] = {**STAGE_CONFIGS, "export": ExportConfig, "convert": ConvertConfig}
-# Kinds with more than one rank.
-MULTI_RANK_KINDS = ("bootstrap", "rl")
-# Kinds that generate through a `rollout` config block, so can use SGLang servers.
-ROLLOUT_KINDS = ("rl", "curate", "evaluate")
-
-
 @dataclass(kw_only=True, slots=True)
 class Stage:
     name: str
@@ -185,39 +138,40 @@ class Stage:
     resources: Resources = dataclasses.field(default_factory=Resources)
 
     def __post_init__(self) -> None:
-        if self.kind not in CAMPAIGN_STAGE_CONFIGS:
-            raise ConfigError(f"stages.{self.name}.kind: {self.kind!r} is not one of {sorted(CAMPAIGN_STAGE_CONFIGS)}")
-        if not isinstance(self.config, CAMPAIGN_STAGE_CONFIGS[self.kind]):
+        if self.kind not in STAGE_KINDS:
+            raise ConfigError(f"stages.{self.name}.kind: {self.kind!r} is not one of {STAGE_KINDS.names()}")
+        kind = self.stage_kind
+        if not isinstance(self.config, kind.config):
             raise ConfigError(f"stages.{self.name}.config: a {self.kind} stage takes a "
-                              f"{CAMPAIGN_STAGE_CONFIGS[self.kind].__name__}, got {type(self.config).__name__}")
-        if self.resources.num_ranks > 1 and self.kind not in MULTI_RANK_KINDS:
+                              f"{kind.config.__name__}, got {type(self.config).__name__}")
+        if self.resources.num_ranks > 1 and not kind.multi_rank:
+            multi_rank = [other.name for other in STAGE_KINDS.values() if other.multi_rank]
             raise ConfigError(f"stages.{self.name}.resources: a {self.kind} stage runs on one rank "
-                              f"(got {self.resources.num_ranks}); only {', '.join(MULTI_RANK_KINDS)} run on more")
-        if self.resources.rollout is not None and self.kind not in ROLLOUT_KINDS:
-            raise ConfigError(f"stages.{self.name}.resources.rollout: only {', '.join(ROLLOUT_KINDS)} stages use "
+                              f"(got {self.resources.num_ranks}); only {', '.join(multi_rank)} run on more")
+        if self.resources.rollout is not None and not kind.rollout_servers:
+            with_servers = [other.name for other in STAGE_KINDS.values() if other.rollout_servers]
+            raise ConfigError(f"stages.{self.name}.resources.rollout: only {', '.join(with_servers)} stages use "
                               "rollout servers")
-        if self.resources.rollout is not None and self.kind == "evaluate" and not self.resources.rollout.model_path:
-            raise ConfigError(f"stages.{self.name}.resources.rollout.model_path: the servers of an evaluate stage "
-                              "start from a Hugging Face folder of the policy's architecture (they then load the "
-                              "policy itself)")
+        servers = self.resources.rollout
+        if servers is not None and kind.servers_need_model_path and not servers.model_path:
+            article = "an" if self.kind[:1] in "aeiou" else "a"
+            raise ConfigError(f"stages.{self.name}.resources.rollout.model_path: the servers of {article} {self.kind} "
+                              "stage start from a Hugging Face folder of the policy's architecture (they then load "
+                              "the policy itself)")
         if self.resources.rollout is not None and not (self.resources.rollout.model_path or self.config.policy):
             raise ConfigError(f"stages.{self.name}.config.policy: SGLang servers need a Hugging Face policy "
                               "folder to serve (the bootstrap policy is a winnow checkpoint)")
-        if self.kind == "rl":
-            parallel = self.config.parallel
-            model_parallel = parallel.tensor_parallel * parallel.pipeline_parallel
-            if self.resources.gpus_per_node and self.resources.ranks_per_node != self.resources.gpus_per_node:
-                raise ConfigError(f"stages.{self.name}.resources.ranks_per_node: {self.resources.ranks_per_node} "
-                                  f"rank(s) on {self.resources.gpus_per_node} GPUs per node; an rl stage runs one "
-                                  "rank per GPU")
-            if self.resources.num_ranks % model_parallel:
-                raise ConfigError(f"stages.{self.name}.resources: {self.resources.num_ranks} rank(s) are not a "
-                                  f"multiple of TP x PP = {model_parallel} (config.parallel)")
-        servers = self.resources.rollout
+        if kind.check_resources is not None:
+            kind.check_resources(self.name, self.config, self.resources)
         if servers is not None and self.config.rollout.min_servers > servers.nodes * servers.servers_per_node:
             raise ConfigError(f"stages.{self.name}.config.rollout.min_servers: {self.config.rollout.min_servers} "
                               f"exceeds the {servers.nodes * servers.servers_per_node} servers of "
                               f"resources.rollout ({servers.nodes} nodes x {servers.servers_per_node})")
+
+    @property
+    def stage_kind(self) -> StageKind:
+        """What this stage's kind is (``pipeline.config.STAGE_KINDS``)."""
+        return STAGE_KINDS.get(self.kind)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -247,27 +201,20 @@ class CampaignPlan:
 
     def order(self) -> list[Stage]:
         """Stages in dependency order; among ready stages, the order they were listed in."""
-        done: list[str] = []
-        remaining = list(self.stages)
-        while remaining:
-            ready = [s for s in remaining if all(dep in done for dep in s.depends_on)]
-            if not ready:
-                raise ConfigError(f"stages: dependency cycle among {', '.join(s.name for s in remaining)}")
-            done.append(ready[0].name)
-            remaining.remove(ready[0])
-        return [self.stage(name) for name in done]
+        by_name = {stage.name: stage for stage in self.stages}
+        return [by_name[name] for name in dependency_order({s.name: s.depends_on for s in self.stages})]
+
+    def dependencies(self, name: str) -> list[str]:
+        """Every stage ``name`` depends on, directly or through others, nearest first."""
+        return reachable(name, {stage.name: stage.depends_on for stage in self.stages})
 
     def dependents(self, name: str) -> list[str]:
-        """Every stage that depends on ``name``, directly or through others."""
-        found: list[str] = []
-        frontier = [name]
-        while frontier:
-            current = frontier.pop()
-            for stage in self.stages:
-                if current in stage.depends_on and stage.name not in found:
-                    found.append(stage.name)
-                    frontier.append(stage.name)
-        return found
+        """Every stage that depends on ``name``, directly or through others, nearest first."""
+        needed_by: dict[str, list[str]] = {stage.name: [] for stage in self.stages}
+        for stage in self.stages:
+            for dep in stage.depends_on:
+                needed_by[dep].append(stage.name)
+        return reachable(name, needed_by)
 
     # ------------------------------------------------------------ campaign.json
     def to_dict(self) -> dict[str, Any]:
@@ -281,12 +228,13 @@ class CampaignPlan:
         stages = []
         for entry in data["stages"]:
             kind = entry["kind"]
-            if kind not in CAMPAIGN_STAGE_CONFIGS:
-                raise ConfigError(f"stages.{entry['name']}.kind: {kind!r} is not one of {sorted(CAMPAIGN_STAGE_CONFIGS)}")
+            if kind not in STAGE_KINDS:
+                raise ConfigError(f"stages.{entry['name']}.kind: {kind!r} is not one of {STAGE_KINDS.names()}")
             stages.append(Stage(
                 name=entry["name"], kind=kind, depends_on=tuple(entry["depends_on"]),
                 resources=configlib.from_dict(Resources, entry["resources"], path=f"stages.{entry['name']}.resources"),
-                config=configlib.from_dict(CAMPAIGN_STAGE_CONFIGS[kind], entry["config"], path=f"stages.{entry['name']}.config"),
+                config=configlib.from_dict(STAGE_KINDS.get(kind).config, entry["config"],
+                                           path=f"stages.{entry['name']}.config"),
             ))
         return cls(name=data["name"], output_dir=Path(data["output_dir"]), stages=stages)
 
@@ -322,14 +270,15 @@ class CampaignPlan:
         from pipeline.stages.bootstrap import config_hash
 
         for before, after in zip(self.stages, stages):
-            if before.kind == "bootstrap" and config_hash(before.config) != config_hash(after.config):
+            if isinstance(before.config, BootstrapConfig) and config_hash(before.config) != config_hash(after.config):
                 old = str(Path(before.config.cache_dir) / config_hash(before.config))
                 new = str(Path(after.config.cache_dir) / config_hash(after.config))
                 plan = plan.with_paths_moved(old, new)
                 # rl stages name the base policy by its bootstrap section (built or reused from the cache).
                 plan = CampaignPlan(name=plan.name, output_dir=plan.output_dir, stages=[
                     dataclasses.replace(s, config=dataclasses.replace(s.config, bootstrap=after.config))
-                    if s.kind == "rl" and s.config.bootstrap == before.config else s for s in plan.stages])
+                    if isinstance(s.config, RLConfig) and s.config.bootstrap == before.config else s
+                    for s in plan.stages])
         return plan
 
     def with_paths_moved(self, old: str, new: str) -> CampaignPlan:
@@ -421,7 +370,25 @@ class CampaignStatus:
 
 # ================================================================ running one stage
 
+StageRunner = Callable[..., StageOutcome]
 
+
+def stage_runner(kind: str) -> Callable[[StageRunner], StageRunner]:
+    """Decorator: the function runs stages of ``kind`` in this process (``StageKind.runner``)."""
+
+    entry = STAGE_KINDS.get(kind)
+
+    def attach(runner: StageRunner) -> StageRunner:
+        if entry.runner is not None:
+            raise ValueError(f"stage kind {kind!r} has two runners: {entry.runner.__qualname__} and "
+                             f"{runner.__qualname__}")
+        entry.runner = runner
+        return runner
+
+    return attach
+
+
+@stage_runner("bootstrap")
 def _run_bootstrap(cfg: BootstrapConfig, *, context, out) -> StageOutcome:
     from pipeline.stages.bootstrap import run_bootstrap
 
@@ -430,6 +397,7 @@ def _run_bootstrap(cfg: BootstrapConfig, *, context, out) -> StageOutcome:
     return "done"
 
 
+@stage_runner("curate")
 def _run_curate(cfg: CurateConfig, *, context, out) -> StageOutcome:
     from pipeline.stages.curate import run_curate
 
@@ -437,6 +405,7 @@ def _run_curate(cfg: CurateConfig, *, context, out) -> StageOutcome:
     return "done"
 
 
+@stage_runner("train-estimator")
 def _run_train_estimator(cfg: TrainEstimatorConfig, *, context, out) -> StageOutcome:  # noqa: ARG001 - no megatron
     from pipeline.stages.train_estimator import run_train_estimator
 
@@ -454,6 +423,7 @@ def rl_finished(cfg: RLConfig) -> bool:
     return bool(steps) and steps[-1] >= cfg.steps
 
 
+@stage_runner("rl")
 def _run_rl(cfg: RLConfig, *, context, out) -> StageOutcome:
     from pipeline.stages.rl import run_rl
 
@@ -463,6 +433,7 @@ def _run_rl(cfg: RLConfig, *, context, out) -> StageOutcome:
     return "done" if rl_finished(cfg) else "stopped"
 
 
+@stage_runner("evaluate")
 def _run_evaluate(cfg: EvaluateConfig, *, context, out) -> StageOutcome:
     from pipeline.stages.evaluate import run_evaluate
 
@@ -470,6 +441,7 @@ def _run_evaluate(cfg: EvaluateConfig, *, context, out) -> StageOutcome:
     return "done"
 
 
+@stage_runner("export")
 def _run_export(cfg: ExportConfig, *, context, out) -> StageOutcome:  # noqa: ARG001 - reuses the process's megatron
     from pipeline.checkpoint.convert import megatron_to_hf
 
@@ -481,6 +453,7 @@ def _run_export(cfg: ExportConfig, *, context, out) -> StageOutcome:  # noqa: AR
     return "done"
 
 
+@stage_runner("convert")
 def _run_convert(cfg: ConvertConfig, *, context, out) -> StageOutcome:  # noqa: ARG001 - its own one-rank megatron
     from pipeline.checkpoint.convert import hf_to_megatron
 
@@ -490,16 +463,7 @@ def _run_convert(cfg: ConvertConfig, *, context, out) -> StageOutcome:  # noqa: 
     return "done"
 
 
-STAGE_RUNNERS: dict[str, Callable[..., StageOutcome]] = {
-    "bootstrap": _run_bootstrap,
-    "curate": _run_curate,
-    "train-estimator": _run_train_estimator,
-    "rl": _run_rl,
-    "evaluate": _run_evaluate,
-    "export": _run_export,
-    "convert": _run_convert,
-}
-assert set(STAGE_RUNNERS) == set(CAMPAIGN_STAGE_CONFIGS)
+assert all(kind.runner is not None for kind in STAGE_KINDS.values()), "a stage kind has no @stage_runner"
 
 
 def run_stage(stage: Stage, *, context=None, out: Callable[[str], Any] = print) -> StageOutcome:
@@ -510,7 +474,7 @@ def run_stage(stage: Stage, *, context=None, out: Callable[[str], Any] = print) 
     """
     for note in preflight(stage.config):
         out(f"{stage.name}: {note}")
-    return STAGE_RUNNERS[stage.kind](stage.config, context=context, out=out)
+    return stage.stage_kind.runner(stage.config, context=context, out=out)
 
 
 # ================================================================ the in-process runner

@@ -53,9 +53,6 @@ from typing import Any
 
 from pipeline.stats.flops import CATEGORIES, ForwardCost, estimator_flops, format_flops, forward_flops
 
-COUNTED_KINDS = ("bootstrap", "curate", "train-estimator", "rl", "evaluate")
-
-
 @dataclass(frozen=True, slots=True)
 class StageFlops:
     """FLOPs by category (``pipeline.stats.flops.CATEGORIES``); None: not recorded (n/a).
@@ -382,6 +379,8 @@ def evaluate_tokens(name: str, cfg, policy: ForwardCost | None = None, why: str 
                        flops_note=flops_note)
 
 
+# The stage kinds whose costs the ledger counts, each with the reader of what its stage wrote
+# (conversions spend no tokens: export and convert have none).
 _READERS = {"bootstrap": bootstrap_tokens, "curate": curate_tokens, "train-estimator": estimator_tokens,
             "rl": rl_tokens, "evaluate": evaluate_tokens}
 
@@ -404,14 +403,6 @@ def read_ledger(plan) -> CampaignLedger:
     """The ledger of ``plan`` (a ``CampaignPlan``) from whatever its stages have written so far."""
     costs = _policy_costs(plan)
     stages = {stage.name: _READERS[stage.kind](stage.name, stage.config, *costs.get(stage.name, (None, "")))
-              for stage in plan.order() if stage.kind in COUNTED_KINDS}
-    by_name = {stage.name: stage for stage in plan.stages}
-
-    def upstream(name: str) -> set[str]:
-        found: set[str] = set()
-        for parent in by_name[name].depends_on:
-            found |= {parent, *upstream(parent)}
-        return found
-
-    dependencies = {name: tuple(sorted(upstream(name))) for name in stages}
+              for stage in plan.order() if stage.kind in _READERS}
+    dependencies = {name: tuple(sorted(plan.dependencies(name))) for name in stages}
     return CampaignLedger(stages=stages, dependencies=dependencies)

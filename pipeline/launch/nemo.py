@@ -47,6 +47,7 @@ from typing import Any, Literal
 import nemo_run as run
 from nemo_run.config import RUNDIR_NAME
 
+from pipeline.config import BootstrapConfig, ConvertConfig
 from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import (
     EXIT_REQUEUE,
@@ -84,13 +85,11 @@ class ExecutorOverrides:
 
 
 def apply_executor_overrides(plan: CampaignPlan, overrides: ExecutorOverrides) -> CampaignPlan:
-    """Trainer nodes and ranks per node of the multi-rank stages (bootstrap, rl) replaced as asked."""
-    from pipeline.launch.campaign import MULTI_RANK_KINDS
-
+    """Trainer nodes and ranks per node of the multi-rank stages (``StageKind.multi_rank``) replaced as asked."""
     stages = []
     for stage in plan.stages:
         resources = stage.resources
-        if stage.kind in MULTI_RANK_KINDS:
+        if stage.stage_kind.multi_rank:
             resources = dataclasses.replace(
                 resources,
                 nodes=overrides.nodes if overrides.nodes is not None else resources.nodes,
@@ -200,10 +199,7 @@ trap winnow_job_exit EXIT"""
 
 # ================================================================ CPUs and memory of a job
 
-# The stages that convert a whole model on one process (hf-to-megatron, megatron-to-hf), each
-# with its logit gate: CPU jobs whose memory follows the model's size.
-CONVERSION_KINDS = ("convert", "export")
-# CPUs of a conversion job (fewer on a node with fewer): torch's intra-op threads for the fp32
+# CPUs of a conversion job (``StageKind.converts_model``) (fewer on a node with fewer): torch's intra-op threads for the fp32
 # casts and the logit gate's forward passes, megatron's checkpoint file writers. More would
 # wait on the shared filesystem, which bounds reading and writing the weights.
 CONVERSION_CPUS = 8
@@ -306,7 +302,7 @@ def conversion_model(stage: Stage, plan: CampaignPlan) -> ConversionModel | None
     bytes per parameter are the export's ``dtype``; ``auto`` (the dtype of the HF model the run
     came from, else fp32) takes the dtype of the folder or manifest found, else fp32.
     """
-    if stage.kind == "convert":
+    if isinstance(stage.config, ConvertConfig):
         found = _hf_folder_model(Path(stage.config.hf))
         return ConversionModel(num_parameters=found[0], weight_bytes=found[1],
                                source=f"{stage.config.hf}/config.json") if found else None
@@ -319,17 +315,12 @@ def conversion_model(stage: Stage, plan: CampaignPlan) -> ConversionModel | None
     checkpoint = _checkpoint_model(Path(stage.config.checkpoint))
     if checkpoint is not None:
         return found(*checkpoint, f"checkpoint {stage.config.checkpoint}")
-    by_name = {candidate.name: candidate for candidate in plan.stages}
-    queue, seen = list(stage.depends_on), set(stage.depends_on)
-    while queue:
-        ancestor = by_name.get(queue.pop(0))
-        if ancestor is None:
-            continue
+    for ancestor in map(plan.stage, plan.dependencies(stage.name)):
         cfg, rollout = ancestor.config, ancestor.resources.rollout
-        if ancestor.kind == "bootstrap":
+        if isinstance(cfg, BootstrapConfig):
             return found(_bootstrap_model(cfg), None, f"stage {ancestor.name}'s model config")
-        paths = [cfg.hf] if ancestor.kind == "convert" else [getattr(cfg, "policy", None),
-                                                             rollout.model_path if rollout else None]
+        paths = [cfg.hf] if isinstance(cfg, ConvertConfig) else [getattr(cfg, "policy", None),
+                                                                 rollout.model_path if rollout else None]
         for path in filter(None, paths):
             hf = _hf_folder_model(Path(path))
             if hf is not None:
@@ -337,10 +328,6 @@ def conversion_model(stage: Stage, plan: CampaignPlan) -> ConversionModel | None
             checkpoint = _checkpoint_model(Path(path))
             if checkpoint is not None:
                 return found(*checkpoint, f"stage {ancestor.name}'s checkpoint {path}")
-        for parent in ancestor.depends_on:
-            if parent not in seen:
-                seen.add(parent)
-                queue.append(parent)
     return None
 
 
@@ -388,7 +375,7 @@ def job_resources(stage: Stage, *, plan: CampaignPlan, profile: SlurmProfile) ->
                             mem=share(fraction), exclusive=False,
                             basis=f"GPU job on {resources.gpus_per_node} of a node's {profile.gpus_per_node} GPUs: "
                                   "that share of its CPUs and memory")
-    if stage.kind in CONVERSION_KINDS:
+    if stage.stage_kind.converts_model:
         cpus = min(CONVERSION_CPUS, profile.cpus_per_node)
         model = conversion_model(stage, plan)
         if model is None:
@@ -493,7 +480,7 @@ def slurm_executor(stage: Stage, *, plan: CampaignPlan, profile: SlurmProfile, e
         raise ConfigError(f"stages.{stage.name}.resources.ranks_per_node: {resources.ranks_per_node} CPU ranks; "
                           f"the profile's nodes have {profile.cpus_per_node} CPUs")
     time_limit = resources.time_limit or profile.time_limit
-    lead_s = signal_lead_s(stage, profile=profile) if stage.kind == "rl" else None
+    lead_s = signal_lead_s(stage, profile=profile) if stage.stage_kind.checkpoints_on_signal else None
     if lead_s is not None and lead_s >= parse_slurm_time(time_limit, field="time_limit"):
         raise ConfigError(f"stages.{stage.name}: the SIGUSR1 lead ({lead_s} s: the profile's signal_s "
                           f"{profile.signal_s} s or the planner's checkpoint-write estimate) is not below the "
@@ -565,7 +552,7 @@ def _python_and_workdir(options: LaunchOptions) -> tuple[str, str]:
 def _task(plan: CampaignPlan, stage: Stage, options: LaunchOptions):
     python, workdir = _python_and_workdir(options)
     lead_s = (signal_lead_s(stage, profile=options.profile)
-              if options.executor == "slurm" and stage.kind == "rl" else None)
+              if options.executor == "slurm" and stage.stage_kind.checkpoints_on_signal else None)
     return run.Script(inline=stage_script(plan, stage, python=python, workdir=workdir, signal_lead_s=lead_s))
 
 

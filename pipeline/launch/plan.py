@@ -44,8 +44,20 @@ What it models, and from where:
   §5.1, Eq. 3; Chowdhery et al., "PaLM", Appendix B). Trainer: forward + backward (3×
   forward, plus what ``recompute`` redoes) of every trained row, and a forward of it for each
   extra log-prob pass (π_old recompute, reference policy). Rollout: each prompt's prefill once
-  per sampling round, and the decode of every sampled response. At the assumed mean response
-  length; MFUs are assumptions, printed with the result.
+  per sampling round, and the decode of every sampled response. At the mean response length;
+  MFUs are assumptions, printed with the result.
+* **Response lengths** (``ResponseLengths``): the lengths a curation measured for the prompts
+  RL trains on (``curation_lengths``), else a stated long-tail shape (``long_tail_lengths``: a
+  log-normal with a median and a 90th percentile given as fractions of ``max_new_tokens``, cut
+  at the cap). The update, the log-prob passes and the prefill are timed at its mean.
+* **Generation time** (``generation_seconds``): a generator (an SGLang server, or the
+  in-process engine) decodes its batch for as many steps as the batch's longest response, each
+  step costing the whole batch's decode FLOPs at the mean context: decode is memory-bound (every
+  step reads the weights and the batch's KV cache), so a batch whose short responses have
+  finished is not proportionally cheaper, and the step waits for its slowest generator. So the
+  time is set by the expected longest response of the round (``ResponseLengths.expected_max``),
+  between the mean-length time and the bound where every response reaches the cap; all three
+  are printed.
 * **Checkpoint write** (``checkpoint_write_plan``): a checkpoint holds each rank's weights and
   optimizer state (no gradients). megatron's ``dist_checkpointing`` writes a replicated shard
   once, from the first data-parallel rank, so that rank writes the whole model-parallel
@@ -72,9 +84,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from functools import lru_cache
+from statistics import NormalDist
 from typing import Any, Literal, Mapping
+
+import numpy as np
 
 from pipeline.config import InFlightLimit, rollout_in_flight_limit
 from pipeline.models.spec import ModelSpec
@@ -93,6 +110,7 @@ __all__ = [
     "Assumptions",
     "CheckpointWrite",
     "Cluster",
+    "GenerationBatches",
     "GPUSpec",
     "KVCachePlan",
     "Layout",
@@ -100,6 +118,7 @@ __all__ = [
     "ModelDims",
     "Plan",
     "PlanInputs",
+    "ResponseLengths",
     "StageContext",
     "TimePlan",
     "TrainerSettings",
@@ -108,11 +127,15 @@ __all__ = [
     "bootstrap_model_dims",
     "checkpoint_write_plan",
     "context_problem",
+    "curation_lengths",
+    "generation_batches",
+    "generation_seconds",
     "head_buffer_bytes",
     "in_flight_from_rl",
     "korthikanti_gpt_layer_bytes",
     "kv_cache_plan",
     "layer_activation_bytes",
+    "long_tail_lengths",
     "memory_plan",
     "model_state_bytes",
     "pipeline_bubble",
@@ -308,7 +331,14 @@ class Cluster:
 class Assumptions:
     mfu: float = 0.35  # trainer model-FLOP utilization
     rollout_mfu: float = 0.10  # SGLang generation: decode is memory-bound
-    response_fraction: float = 1.0  # mean response length / max_new_tokens (1.0: every response hits the cap)
+    # The stated response-length shape (``long_tail_lengths``) when no curation measured the lengths:
+    # median and 90th percentile as fractions of max_new_tokens; with these 4.6% of responses reach the
+    # cap and the mean is 37% of it.
+    response_median: float = 0.30
+    response_p90: float = 0.75
+    # The shape's mean, as a fraction of max_new_tokens, when set (its spread kept; 1.0: every response
+    # at the cap); None: the shape as stated.
+    response_fraction: float | None = None
     mem_fraction_static: float = 0.85  # SGLang --mem-fraction-static: weights + KV cache share of a GPU
     server_bytes_per_param: int = 2  # SGLang serves bf16
     # GB/s one rank sustains writing a checkpoint to the shared filesystem: a conservative figure
@@ -331,10 +361,121 @@ class PlanInputs:
     cluster: Cluster
     assumptions: Assumptions = field(default_factory=Assumptions)
     in_flight: InFlightLimit | None = None  # the SGLang client's limit (``in_flight_from_rl``); None: no servers
+    # Measured response lengths (``curation_lengths``); None: the assumptions' stated shape.
+    response_lengths: ResponseLengths | None = None
 
     @property
     def seq_length(self) -> int:
         return self.workload.prompt_tokens + self.workload.max_new_tokens
+
+    def lengths(self) -> ResponseLengths:
+        """The response lengths the step is timed with: the measured ones, else the stated shape."""
+        if self.response_lengths is not None:
+            return self.response_lengths
+        a = self.assumptions
+        return long_tail_lengths(self.workload.max_new_tokens, median=a.response_median, p90=a.response_p90,
+                                 mean=a.response_fraction)
+
+
+# ----------------------------------------------------------------------- response lengths
+
+
+# Quantiles that stand for a stated shape: E[max of 2,048] within 0.3% of the continuous shape's even when
+# almost no response reaches the cap (1,000 quantiles: 15% low).
+SHAPE_POINTS = 20_000
+_Z90 = NormalDist().inv_cdf(0.9)
+
+
+@lru_cache(maxsize=1)
+def _shape_z() -> np.ndarray:
+    """(SHAPE_POINTS,) standard normal quantiles at the midpoints (j + ½)/SHAPE_POINTS."""
+    return np.array([NormalDist().inv_cdf((j + 0.5) / SHAPE_POINTS) for j in range(SHAPE_POINTS)])
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ResponseLengths:
+    """A step's response lengths, in generated tokens, as equally likely values: measured lengths, or the
+    ``SHAPE_POINTS`` quantiles of a stated shape. ``source`` says which (the plan prints it)."""
+
+    source: str
+    values: tuple[float, ...]  # ascending, each in [1, max_new_tokens]
+    max_new_tokens: int
+
+    @classmethod
+    def of(cls, values: Iterable[float], *, max_new_tokens: int, source: str) -> ResponseLengths:
+        """``values`` cut to [1, max_new_tokens] (the cap truncates a response) and sorted."""
+        cut = sorted(min(float(max_new_tokens), max(1.0, float(value))) for value in values)
+        if not cut:
+            raise ValueError(f"response lengths ({source}): no values")
+        return cls(source=source, values=tuple(cut), max_new_tokens=max_new_tokens)
+
+    @property
+    def mean(self) -> float:
+        return math.fsum(self.values) / len(self.values)
+
+    def quantile(self, q: float) -> float:
+        """The smallest value with at least a share ``q`` of the values at or below it."""
+        return self.values[max(0, math.ceil(q * len(self.values)) - 1)]
+
+    def expected_max(self, draws: int) -> float:
+        """E[the longest of ``draws`` independent lengths]: with the k values sorted,
+        ``Σᵢ vᵢ·((i/k)ⁿ − ((i−1)/k)ⁿ)`` (the chance that the i-th is the largest of n draws)."""
+        values = np.asarray(self.values)  # (k,)
+        at_or_below = (np.arange(1, values.size + 1) / values.size) ** draws  # (k,) P(max ≤ vᵢ)
+        return float(values @ np.diff(at_or_below, prepend=0.0))
+
+
+def long_tail_lengths(max_new_tokens: int, *, median: float, p90: float, mean: float | None = None) -> ResponseLengths:
+    """The stated shape: log-normal lengths with median ``median``·C and 90th percentile ``p90``·C
+    (C = ``max_new_tokens``), so σ = ln(p90/median)/z₀.₉, each cut at C as the cap cuts a response.
+
+    Why this shape: RL responses are right-skewed with a tail that reaches the cap, the problem
+    "DAPO: An Open-Source LLM Reinforcement Learning System at Scale" addresses with its overlong
+    reward shaping; the default median 30% and p90 75% put 4.6% of responses at the cap and the mean at
+    37%, between the mean generation lengths NeMo RL publishes for GRPO at 4,096 tokens (25% for
+    Llama-3.1-8B-Instruct, 78% for Qwen3-30B-A3B; docs/parallel.md). ``mean`` (a fraction of C)
+    moves the log-normal's location, σ kept, until the cut lengths' mean is mean·C; 1.0 puts
+    every response at the cap.
+    """
+    if not 0 < median < p90:
+        raise ValueError(f"response lengths: need 0 < median < p90, got median {median}, p90 {p90}")
+    if mean is not None and not 0 < mean <= 1:
+        raise ValueError(f"response lengths: the mean fraction must be in (0, 1], got {mean}")
+    cap = float(max_new_tokens)
+    sigma = math.log(p90 / median) / _Z90
+    source = f"stated shape: log-normal, median {median:.0%} and p90 {p90:.0%} of max_new_tokens, cut at it"
+
+    def values(location: float) -> np.ndarray:
+        return np.minimum(cap, np.exp(np.minimum(location + sigma * _shape_z(), 700.0)))  # (SHAPE_POINTS,)
+
+    location = math.log(median * cap)
+    if mean is not None:
+        source = f"{source}, moved to a mean of {mean:.0%}"
+        if mean >= 1:
+            return ResponseLengths.of([cap], max_new_tokens=max_new_tokens, source=source)
+        low, high = -sigma * 10, math.log(cap) + sigma * 10  # the cut mean rises with the location
+        for _ in range(100):
+            location = (low + high) / 2
+            if values(location).mean() < mean * cap:
+                low = location
+            else:
+                high = location
+    return ResponseLengths.of(values(location).tolist(), max_new_tokens=max_new_tokens, source=source)
+
+
+def curation_lengths(output_dir: str | Path, *, max_new_tokens: int) -> ResponseLengths:
+    """The response lengths a finished curation measured (``pipeline.stats.curation.load_response_lengths``),
+    cut at this stage's ``max_new_tokens``. A curation sampled with a shorter cap cut its responses
+    there, so its tail is then understated; the source says at which cap it measured."""
+    from pipeline.stats.curation import load_response_lengths
+
+    measured = load_response_lengths(output_dir)
+    prompts = f"{measured.num_prompts:,} {'kept' if measured.kept_only else 'sampled'} prompts"
+    what = (f"{measured.lengths.size:,} responses of {prompts}" if measured.per_response
+            else f"{prompts}' mean response lengths (the curation stores no per-response lengths)")
+    return ResponseLengths.of(measured.lengths.tolist(), max_new_tokens=max_new_tokens,
+                              source=f"curation {output_dir}: {what}, sampled at max_new_tokens "
+                                     f"{measured.max_new_tokens}")
 
 
 # ------------------------------------------------------------------------------- memory
@@ -652,14 +793,86 @@ def kv_cache_plan(inputs: PlanInputs) -> KVCachePlan | None:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class GenerationBatches:
+    """How one step's sequences reach the generators: ``rounds`` sampling rounds, each spread over
+    ``generators`` (SGLang servers, or the in-process engine), each running up to ``batch`` sequences at
+    once, ``waves`` one after another in each slot."""
+
+    generators: int
+    gpus_per_generator: int
+    on_servers: bool  # False: global rank 0's in-process engine
+    rounds: int
+    per_generator: int  # one round's sequences on the busiest generator
+    waves: int
+    batch: int
+
+
+def generation_batches(inputs: PlanInputs) -> GenerationBatches:
+    """A round's ``prompts × in_flight_per_prompt`` sequences, split evenly over the servers; a server
+    runs at once what the client keeps in flight on it (``in_flight``) and what its KV cache holds at
+    full length (``KVCachePlan.waves``), and starts the rest as those finish. Without servers,
+    global rank 0's engine decodes the round on its one GPU as one batch (its chunks of 256 rows
+    one after another take as long when each chunk's longest response reaches the cap)."""
+    workload, cluster = inputs.workload, inputs.cluster
+    rounds = math.ceil(workload.sampled_per_prompt / workload.in_flight_per_prompt)
+    sequences = workload.prompts_per_step * workload.in_flight_per_prompt
+    if cluster.rollout_nodes:
+        generators, gpus = cluster.rollout_nodes * cluster.servers_per_node, cluster.server_tensor_parallel
+        per_generator = math.ceil(sequences / generators)
+        concurrent = per_generator
+        if inputs.in_flight is not None:
+            concurrent = min(concurrent, inputs.in_flight.per_server,
+                             math.ceil(inputs.in_flight.sequences / generators))
+        kv = kv_cache_plan(inputs)
+        waves = max(math.ceil(per_generator / concurrent), kv.waves if kv is not None else 1)
+    else:
+        generators, gpus, per_generator, waves = 1, 1, sequences, 1
+    waves = max(1, waves)
+    return GenerationBatches(generators=generators, gpus_per_generator=gpus, on_servers=bool(cluster.rollout_nodes),
+                             rounds=rounds, per_generator=per_generator, waves=waves,
+                             batch=math.ceil(per_generator / waves))
+
+
+def generation_seconds(inputs: PlanInputs, lengths: ResponseLengths, batches: GenerationBatches) -> float:
+    """Decode time of one step (prefill apart) with responses drawn from ``lengths``.
+
+    A generator runs ``b`` sequences at once, and each decode step is the forward of ``b`` tokens at
+    the mean context (prompt + half the mean response), at the rollout MFU on its GPUs: decode is
+    memory-bound, so a step costs about the same while a batch's short responses are done and its
+    long ones still run. SGLang's continuous batching starts a queued sequence as soon as a slot
+    frees, so each of the ``b`` slots runs ``w`` (waves) sequences back to back; the round ends when
+    the slot holding the round's longest response does: ``(w − 1)·r̄ + E[max of G·b] − 1`` steps
+    (``r̄`` the mean response, ``G·b`` the slots of all ``G`` generators, the first token made by
+    the prefill). Every response at the cap gives the all-max bound (the FLOPs of every response
+    at full length); every response at the mean gives the mean-length time; any distribution lies
+    between the two.
+    """
+    cost, workload = inputs.dims.forward_cost(), inputs.workload
+    step = batches.batch * cost.token(workload.prompt_tokens + lengths.mean / 2)
+    steps = (batches.waves - 1) * lengths.mean + lengths.expected_max(batches.generators * batches.batch) - 1
+    throughput = batches.gpus_per_generator * inputs.cluster.gpu.peak_tflops * 1e12 * inputs.assumptions.rollout_mfu
+    return batches.rounds * steps * step / throughput
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class TimePlan:
     train_flops: float
     rollout_flops: float
     train_s: float
-    rollout_s: float
+    prefill_s: float
+    generation_s: float  # at the round's expected longest response (``generation_seconds``)
+    generation_mean_s: float  # every response at the mean length: what the FLOPs alone would give
+    generation_max_s: float  # every response at max_new_tokens: the all-max bound
     bubble: float
+    lengths: ResponseLengths
+    batches: GenerationBatches
+    recompute_s: float = 0.0  # the part of ``train_s`` that activation recompute redoes
     sync_s: float = 0.0  # the weight push to the servers, which nothing overlaps
     overlapped: bool = False  # generation of step t+1 runs beside step t's update (docs/rl.md)
+
+    @property
+    def rollout_s(self) -> float:
+        return self.prefill_s + self.generation_s
 
     @property
     def step_s(self) -> float:
@@ -687,8 +900,9 @@ def sync_seconds(inputs: PlanInputs) -> float:
     return gb / inputs.assumptions.sync_broadcast_gbps
 
 
-def step_flops(inputs: PlanInputs) -> tuple[float, float]:
-    """(trainer, rollout) FLOPs of one step at the assumed mean response length (``pipeline.stats.flops``).
+def step_flops(inputs: PlanInputs, lengths: ResponseLengths | None = None) -> tuple[float, float]:
+    """(trainer, rollout) FLOPs of one step at the mean response length of ``lengths`` (``inputs.lengths()``
+    when None), by ``pipeline.stats.flops``.
 
     Trainer: every trained row's update plus one forward of it per extra log-prob pass. Rollout: each
     prompt's prefill once per sampling round (both engines prefill a prompt once for all the samples
@@ -696,7 +910,7 @@ def step_flops(inputs: PlanInputs) -> tuple[float, float]:
     """
     cost, workload, trainer = inputs.dims.forward_cost(), inputs.workload, inputs.trainer
     prompt = workload.prompt_tokens
-    response = workload.max_new_tokens * inputs.assumptions.response_fraction
+    response = (lengths or inputs.lengths()).mean
     rows = workload.prompts_per_step * workload.trained_per_prompt
     forwards = int(trainer.old_logprob_forward) + int(trainer.reference_model)
     train = rows * (update_flops(cost, prompt + response, recompute=trainer.recompute)
@@ -709,19 +923,39 @@ def step_flops(inputs: PlanInputs) -> tuple[float, float]:
 
 
 def time_plan(inputs: PlanInputs) -> TimePlan:
-    train, rollout = step_flops(inputs)
+    """Step time: the update at the trainer MFU over the trainer GPUs (stretched by the pipeline bubble),
+    the prefill at the rollout MFU over the generators' GPUs, generation by ``generation_seconds``, the
+    weight push by ``sync_seconds``."""
+    lengths = inputs.lengths()
+    train, rollout = step_flops(inputs, lengths)
     peak = inputs.cluster.gpu.peak_tflops * 1e12
     bubble = pipeline_bubble(inputs.layout.pipeline_parallel, num_micro_batches(inputs))
-    train_s = train / (inputs.cluster.trainer_gpus * peak * inputs.assumptions.mfu) / (1 - bubble)
+    trainer_rate = inputs.cluster.trainer_gpus * peak * inputs.assumptions.mfu * (1 - bubble)
+    # What recompute adds: full, a forward of every trained row; selective, its attention scores.
+    cost, workload = inputs.dims.forward_cost(), inputs.workload
+    row = workload.prompt_tokens + lengths.mean
+    rows = workload.prompts_per_step * workload.trained_per_prompt
+    recompute = rows * (update_flops(cost, row, recompute=inputs.trainer.recompute) - update_flops(cost, row))
     # Servers generate on the rollout nodes' GPUs; without any, global rank 0 generates alone with its
     # in-process copy while the other trainer ranks wait (``MemoryBreakdown.generator_weights``).
-    rollout_gpus = inputs.cluster.rollout_gpus or 1
-    rollout_s = rollout / (rollout_gpus * peak * inputs.assumptions.rollout_mfu)
+    batches = generation_batches(inputs)
+    rounds = batches.rounds
+    generator_rate = batches.generators * batches.gpus_per_generator * peak * inputs.assumptions.rollout_mfu
+    prefill = workload.prompts_per_step * rounds * prefill_flops(cost, workload.prompt_tokens)
+
+    def at(value: float) -> ResponseLengths:
+        return ResponseLengths.of([value], max_new_tokens=workload.max_new_tokens, source="one length")
+
     # Only servers on GPUs of their own generate while the trainer updates; a generator that
     # shares the trainer's GPUs takes its time from the update.
     overlapped = inputs.workload.max_staleness > 0 and inputs.cluster.rollout_gpus > 0
-    return TimePlan(train_flops=train, rollout_flops=rollout, train_s=train_s, rollout_s=rollout_s, bubble=bubble,
-                    sync_s=sync_seconds(inputs), overlapped=overlapped)
+    return TimePlan(train_flops=train, rollout_flops=rollout, train_s=train / trainer_rate,
+                    recompute_s=recompute / trainer_rate, prefill_s=prefill / generator_rate,
+                    generation_s=generation_seconds(inputs, lengths, batches),
+                    generation_mean_s=generation_seconds(inputs, at(lengths.mean), batches),
+                    generation_max_s=generation_seconds(inputs, at(workload.max_new_tokens), batches),
+                    bubble=bubble, lengths=lengths, batches=batches, sync_s=sync_seconds(inputs),
+                    overlapped=overlapped)
 
 
 # ---------------------------------------------------------------------------------- plan
@@ -899,8 +1133,6 @@ def layout_from_rl(cfg: Any, *, trainer_gpus: int) -> Layout:
 # The longest templated prompt the planner assumes for a Hugging Face model (``--prompt-tokens``):
 # a competition math problem under a chat template, with room to spare.
 DEFAULT_PROMPT_TOKENS = 1024
-# A stage's generation length, as the dotted option a launch override names (``<stage>.<field>=N``).
-GENERATION_FIELDS = {"rl": "max_new_tokens", "curate": "max_new_tokens", "evaluate": "eval.max_new_tokens"}
 
 
 def prompt_allowance(dims: ModelDims, prompt_tokens: int | None = None) -> int:
@@ -943,7 +1175,7 @@ class StageContext:
 
     stage: str
     kind: str
-    field: str  # the dotted option holding max_new_tokens (GENERATION_FIELDS)
+    field: str  # the dotted option holding max_new_tokens (``StageKind.generation_length_option``)
     max_new_tokens: int
     source: str  # what the model's dimensions are read from: a path, or a bootstrap's model section
     dims: ModelDims | None = None
@@ -962,8 +1194,8 @@ class StageContext:
 
 
 def stage_generation(stage: Any) -> tuple[str, int]:
-    """(the dotted option, its value) of a generating stage's ``max_new_tokens`` (``GENERATION_FIELDS``)."""
-    field_name = GENERATION_FIELDS[stage.kind]
+    """(the dotted option, its value) of a generating stage's ``max_new_tokens`` (``StageKind.generation_length_option``)."""
+    field_name = stage.stage_kind.generation_length_option
     value: Any = stage.config
     for part in field_name.split("."):
         value = getattr(value, part)
@@ -984,7 +1216,7 @@ def stage_contexts(campaign: Any) -> list[StageContext]:
     """
     found = []
     for stage in campaign.stages:
-        if stage.kind not in GENERATION_FIELDS:
+        if stage.stage_kind.generation_length_option is None:
             continue
         field_name, max_new_tokens = stage_generation(stage)
         source, dims, unreadable = _stage_model(campaign, stage, seen=frozenset({stage.name}))
@@ -1045,7 +1277,7 @@ def _written_model_dir(stage: Any) -> Path | None:
         from pipeline.stages.bootstrap import config_hash
 
         return resolve_cache_dir(cfg.cache_dir) / config_hash(cfg)
-    if stage.kind in ("convert", "export"):
+    if stage.stage_kind.converts_model:
         return Path(cfg.out)
     if stage.kind == "rl":
         return Path(cfg.checkpoint.directory)

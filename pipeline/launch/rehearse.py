@@ -140,7 +140,7 @@ def model_dir_of(plan: CampaignPlan) -> str:
         if stage.kind == "convert":
             return stage.config.hf
     policies = {(stage.resources.rollout.model_path if stage.resources.rollout and stage.resources.rollout.model_path
-                 else stage.config.policy) for stage in plan.stages if stage.kind in ("rl", "curate", "evaluate")}
+                 else stage.config.policy) for stage in plan.stages if stage.stage_kind.rollout_servers}
     if len(policies) != 1 or None in policies:
         raise UserError(f"--rehearse: {plan.name} does not start from one Hugging Face folder (found "
                         f"{sorted(map(str, policies))}); a campaign that bootstraps its policy runs on this machine "

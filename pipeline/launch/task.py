@@ -295,7 +295,7 @@ def run_node(plan: CampaignPlan, stage: Stage, *, launcher: Sequence[str]) -> in
                 status.update(stage.name, "failed", error=error)
                 _mark_attempt_done(plan, stage, token)
             raise
-    if stage.kind == "rl" and code != EXIT_USER_ERROR and (code in (0, EXIT_REQUEUE) or signals.received is not None):
+    if stage.stage_kind.checkpoints_on_signal and code != EXIT_USER_ERROR and (code in (0, EXIT_REQUEUE) or signals.received is not None):
         # A signal stops the loop after a checkpoint; torchrun, signalled too, exits non-zero meanwhile.
         code = 0 if rl_finished(stage.config) else EXIT_REQUEUE
     if first:

@@ -8,7 +8,9 @@ the file names and formats have one owner below the stages.
 Files under a curation's ``output_dir``:
 
     shards/shard_XXXXX.parquet  one row per sampled prompt: id, source, problem, answer, metadata (JSON),
-                                n, c, pass_rate, difficulty, num_generated_tokens, question_logprob
+                                n, c, pass_rate, difficulty, num_generated_tokens (over its n responses),
+                                question_logprob; optionally response_lengths (list<int64>: each
+                                response's tokens), which ``load_response_lengths`` prefers when present
     pass_rates.parquet          every loaded prompt: id, spec (its entry of ``sources``), source, n, c,
                                 pass_rate (null when not sampled), difficulty, kept, drop_reason
                                 (null when kept)
@@ -20,6 +22,9 @@ Files under a curation's ``output_dir``:
 
 Sizes: ``pass_rates.parquet`` holds a few tens of bytes per prompt (a 100k-prompt curation:
 a few MB); ``load_curation`` reads only it and the manifest, into ``(P,)`` arrays.
+``load_response_lengths`` (the planner's measured response lengths) also reads the shards'
+``id``, ``n``, ``num_generated_tokens`` and, when stored, ``response_lengths`` columns: 16 bytes a
+prompt plus 8 a response (100k prompts × 16 responses: 14 MB).
 """
 
 from __future__ import annotations
@@ -42,10 +47,13 @@ __all__ = [
     "PASS_RATES_FILE",
     "PLOT_FILE",
     "REPORT_FILE",
+    "RESPONSE_LENGTHS_COLUMN",
     "SHARDS_DIR",
     "CurationError",
     "CurationResult",
+    "MeasuredLengths",
     "load_curation",
+    "load_response_lengths",
     "pass_rates",
     "write_kept",
     "write_manifest",
@@ -59,6 +67,7 @@ MANIFEST_FILE = "manifest.json"
 REPORT_FILE = "report.md"
 PLOT_FILE = "difficulty.png"
 FORMAT_VERSION = 2  # 2: shards carry question_logprob
+RESPONSE_LENGTHS_COLUMN = "response_lengths"  # optional shard column: each response's generated tokens
 
 
 class CurationError(UserError):
@@ -177,3 +186,58 @@ def load_curation(output_dir: str | Path) -> CurationResult:
         samples_per_prompt=int(manifest["config"]["num_samples"]),
         counts={key: int(value) for key, value in manifest["counts"].items()},
     )
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredLengths:
+    """Generated tokens the curation measured for the prompts RL trains on (the kept ones; every
+    sampled prompt when none was kept).
+
+    ``per_response``: ``lengths`` holds one value per response (the shards' optional
+    ``response_lengths`` column); otherwise one per prompt, the mean of its ``n`` responses
+    (``num_generated_tokens / n``), which has the responses' mean but a narrower spread.
+    """
+
+    lengths: np.ndarray  # (M,) float64 generated tokens
+    per_response: bool
+    num_prompts: int
+    kept_only: bool  # True: the kept prompts' lengths; False: no prompt was kept, every sampled one's
+    max_new_tokens: int  # the curation's generation cap
+
+
+def load_response_lengths(output_dir: str | Path) -> MeasuredLengths:
+    """The response lengths a finished curation measured (``CurationError`` when it is missing or
+    incomplete, or sampled nothing). Per-response lengths when every shard stores them, else
+    each prompt's mean."""
+    import pyarrow.parquet as pq
+
+    curation = load_curation(output_dir)
+    output_dir = Path(output_dir)
+    manifest = json.loads((output_dir / MANIFEST_FILE).read_text())
+    ids: list[str] = []
+    means: list[np.ndarray] = []  # per shard, (R,) each prompt's mean response length
+    responses: list[list[list[int]]] | None = []  # per shard, each prompt's response lengths; None: not stored
+    for path in sorted((output_dir / SHARDS_DIR).glob("shard_*.parquet")):
+        stored = RESPONSE_LENGTHS_COLUMN in pq.read_schema(path).names
+        columns = ["id", "n", "num_generated_tokens"] + ([RESPONSE_LENGTHS_COLUMN] if stored else [])
+        table = pq.read_table(path, columns=columns)
+        ids += table.column("id").to_pylist()
+        n = table.column("n").to_numpy().astype(np.float64)  # (R,)
+        means.append(table.column("num_generated_tokens").to_numpy().astype(np.float64) / np.maximum(n, 1))
+        if responses is not None and stored:
+            responses.append(table.column(RESPONSE_LENGTHS_COLUMN).to_pylist())
+        else:  # one shard without them: per-prompt means throughout, so every prompt weighs the same
+            responses = None
+    kept = set(curation.kept_ids)
+    kept_only = any(prompt_id in kept for prompt_id in ids)
+    rows = np.array([prompt_id in kept or not kept_only for prompt_id in ids], dtype=bool)  # (P_sampled,)
+    if not rows.any():
+        raise CurationError(f"{output_dir}: the curation sampled no prompt, so it measured no response length")
+    if responses is not None:
+        flat = [lengths for shard in responses for lengths in shard]
+        lengths = np.array([length for row, per_prompt in zip(rows, flat) if row for length in per_prompt],
+                           dtype=np.float64)
+    else:
+        lengths = np.concatenate(means)[rows]
+    return MeasuredLengths(lengths=lengths, per_response=responses is not None, num_prompts=int(rows.sum()),
+                           kept_only=kept_only, max_new_tokens=int(manifest["config"]["max_new_tokens"]))

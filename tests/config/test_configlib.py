@@ -90,3 +90,17 @@ def test_resolved_config_is_saved_and_reloads(tmp_path):
 def test_every_option_has_help():
     for path, _, _, help_text in configlib.iter_options(Outer):
         assert help_text, path
+
+
+def test_load_of_a_config_with_required_options_names_the_missing_one():
+    """A stage config with required options (an export's checkpoint and out) loads from its defaults plus
+    overrides, and one left out is a ConfigError naming it, not a TypeError from the constructor."""
+    from pipeline.config import ExportConfig
+
+    with pytest.raises(ConfigError, match="checkpoint: required option is missing"):
+        configlib.load(ExportConfig)
+    with pytest.raises(ConfigError, match="out: required option is missing"):
+        configlib.load(ExportConfig, overrides=["checkpoint=/runs/rl"])
+    cfg = configlib.load(ExportConfig, overrides=["checkpoint=/runs/rl", "out=/runs/hf"])
+    assert (cfg.checkpoint, cfg.out) == ("/runs/rl", "/runs/hf")
+    assert configlib.load(ExportConfig, overrides=["checkpoint=/a", "out=/b"]) == ExportConfig(checkpoint="/a", out="/b")

@@ -7,15 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import BootstrapConfig, CurateConfig, EvaluateConfig, ParallelConfig, RLConfig, TrainEstimatorConfig
+from pipeline.config import (
+    BootstrapConfig,
+    ConvertConfig,
+    CurateConfig,
+    EvaluateConfig,
+    ExportConfig,
+    ParallelConfig,
+    Resources,
+    RLConfig,
+    RolloutServers,
+    TrainEstimatorConfig,
+)
 from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import (
     CampaignPlan,
     CampaignStatus,
-    ConvertConfig,
-    ExportConfig,
-    Resources,
-    RolloutServers,
     Stage,
     run_campaign_inprocess,
     wire_campaign,
@@ -55,8 +62,10 @@ def _run(plan, fake):
 def test_order_is_topological_and_stable(tmp_path):
     plan = _plan(tmp_path, DIAMOND)
     assert [s.name for s in plan.order()] == ["a", "b", "c", "d", "e"]
-    assert sorted(plan.dependents("a")) == ["b", "c", "d"]
+    assert plan.dependents("a") == ["b", "c", "d"]  # nearest first
     assert plan.dependents("e") == []
+    assert plan.dependencies("d") == ["b", "c", "a"]
+    assert plan.dependencies("a") == []
 
 
 @pytest.mark.parametrize("edges, message", [
@@ -79,7 +88,7 @@ def test_bad_stages_are_refused(tmp_path):
         Stage(name="x", kind="evaluate", config=EvaluateConfig(), resources=Resources(ranks_per_node=2))
     with pytest.raises(ConfigError, match="SGLang servers need a Hugging Face policy"):
         Stage(name="x", kind="rl", config=RLConfig(), resources=Resources(rollout=RolloutServers(nodes=1)))
-    with pytest.raises(ConfigError, match="only rl, curate, evaluate stages use rollout servers"):
+    with pytest.raises(ConfigError, match="only curate, evaluate, rl stages use rollout servers"):
         Stage(name="x", kind="export", config=ExportConfig(checkpoint="c", out="o"),
               resources=Resources(rollout=RolloutServers(nodes=1, model_path="/m")))
     with pytest.raises(ConfigError, match="rollout.model_path: the servers of an evaluate stage"):
@@ -235,12 +244,15 @@ def test_a_stage_stopped_by_a_signal_stays_pending_and_the_launch_ends(tmp_path)
 
 def test_stage_kinds_and_configs_match_the_cli():
     from pipeline.cli import COMMAND_CONFIGS
-    from pipeline.launch.campaign import CAMPAIGN_STAGE_CONFIGS
+    from pipeline.config import STAGE_KINDS
 
-    for kind, cls in CAMPAIGN_STAGE_CONFIGS.items():
-        if kind not in ("export", "convert"):  # their options are `winnow convert` flags
-            assert COMMAND_CONFIGS[kind] is cls
-    assert CAMPAIGN_STAGE_CONFIGS["bootstrap"] is BootstrapConfig and CAMPAIGN_STAGE_CONFIGS["curate"] is CurateConfig
+    for kind in STAGE_KINDS.values():
+        if kind.command:
+            assert COMMAND_CONFIGS[kind.name] is kind.config
+        else:  # export and convert: their options are `winnow convert` flags
+            assert kind.name not in COMMAND_CONFIGS
+    assert [kind.name for kind in STAGE_KINDS.values() if not kind.command] == ["convert", "export"]
+    assert STAGE_KINDS.get("bootstrap").config is BootstrapConfig and STAGE_KINDS.get("curate").config is CurateConfig
 
 
 def test_a_gpu_rl_stage_runs_one_rank_per_gpu_in_whole_model_replicas(tmp_path):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import TrainEstimatorConfig
+from pipeline.config import Resources, TrainEstimatorConfig
 from pipeline.configlib import ConfigError
 from pipeline.launch.campaign import CampaignStatus
-from pipeline.launch.campaign import Resources, Stage
+from pipeline.launch.campaign import Stage
 from pipeline.launch.nemo import (
     CONVERSION_BASE_BYTES,
     EXPERIMENTS_DIR,

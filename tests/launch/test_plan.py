@@ -152,7 +152,7 @@ def test_every_paper_model_has_its_published_config():
 @pytest.mark.parametrize("name", _preset_cases())
 def test_every_h100_paper_preset_fits_its_campaign_cluster(name):
     from pipeline.cli.plan import stage_inputs
-    from pipeline.launch.campaign import Resources, RolloutServers
+    from pipeline.config import Resources, RolloutServers
     from recipes.papers import PAPER_PRESETS
 
     preset = PAPER_PRESETS[name]
@@ -209,8 +209,9 @@ def test_a_context_refusal_names_the_option_the_numbers_and_the_length_that_fits
 def test_each_stage_generates_with_the_model_the_campaign_gives_it(tmp_path):
     """No servers: evaluation reads the rl run's checkpoints, rl trains from the convert stage's run; neither
     exists before the campaign runs, so both resolve through those stages to the Hugging Face folder."""
-    from pipeline.config import CheckpointConfig, CurateConfig, EvalConfig, EvaluateConfig, RLConfig
-    from pipeline.launch.campaign import CampaignPlan, ConvertConfig, ExportConfig, Stage
+    from pipeline.config import (CheckpointConfig, ConvertConfig, CurateConfig, EvalConfig, EvaluateConfig,
+                                 ExportConfig, RLConfig)
+    from pipeline.launch.campaign import CampaignPlan, Stage
 
     folder = _hf_folder(tmp_path, "Qwen2.5-Math-7B")
     root = tmp_path / "run"
@@ -320,10 +321,12 @@ def test_without_rollout_nodes_rank_0_holds_an_fp32_generator_and_generates_alon
     rollout on its one GPU; the plan carries that copy on stage 0 and times generation on one GPU."""
     workload = P.Workload(prompts_per_step=64, trained_per_prompt=8, sampled_per_prompt=8, in_flight_per_prompt=8,
                           prompt_tokens=1024, max_new_tokens=3072, steps=10)
+    # Every response at the cap: generation time is then the FLOPs of every response at full length.
     servers = P.PlanInputs(
         dims=dims("Qwen2.5-Math-7B"), layout=P.Layout(tensor_parallel=4, pipeline_parallel=2, data_parallel=2),
         trainer=P.TrainerSettings(), workload=workload,
-        cluster=P.Cluster(gpu=P.GPUS["h100"], trainer_nodes=2, gpus_per_node=8, rollout_nodes=1, servers_per_node=8))
+        cluster=P.Cluster(gpu=P.GPUS["h100"], trainer_nodes=2, gpus_per_node=8, rollout_nodes=1, servers_per_node=8),
+        assumptions=P.Assumptions(response_fraction=1.0))
     alone = P.replace(servers, cluster=P.replace(servers.cluster, rollout_nodes=0))
     with_servers, without = P.memory_plan(servers), P.memory_plan(alone)
     assert [stage.generator_weights for stage in with_servers] == [0, 0]

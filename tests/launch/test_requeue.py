@@ -18,6 +18,7 @@ from pipeline.config import (
     DEFAULT_COLLECTIVE_TIMEOUT_MIN,
     WEIGHT_SYNC_ALLOWANCE_S,
     ParallelConfig,
+    Resources,
     RLConfig,
     RolloutConfig,
     collective_timeout_minutes,
@@ -25,7 +26,7 @@ from pipeline.config import (
 from pipeline.configlib import ConfigError, load
 from pipeline.errors import EXIT_USER_ERROR
 from pipeline.launch import task
-from pipeline.launch.campaign import EXIT_REQUEUE, EXIT_STOPPED_FOR_GOOD, CampaignStatus, Resources, Stage, job_exit
+from pipeline.launch.campaign import EXIT_REQUEUE, EXIT_STOPPED_FOR_GOOD, CampaignStatus, Stage, job_exit
 from pipeline.launch.nemo import requeue_trap, signal_lead_s
 from pipeline.launch.plan import Assumptions, Layout, ModelDims, TrainerSettings, checkpoint_write_plan
 from pipeline.launch.slurm_profiles import load_profile

@@ -16,8 +16,9 @@ import fiddle as fdl
 import pytest
 
 from pipeline.cli.task import main as task_main
+from pipeline.config import Resources, RolloutServers
 from pipeline.launch import task
-from pipeline.launch.campaign import EXIT_REQUEUE, CampaignPlan, CampaignStatus, Resources, RolloutServers, Stage
+from pipeline.launch.campaign import EXIT_REQUEUE, CampaignPlan, CampaignStatus, Stage
 from recipes.campaigns import cpu_campaign, llama31_8b
 from recipes.stages import rl_task, stage_task
 

@@ -20,8 +20,9 @@ import shutil
 import pytest
 
 from pipeline.cli.plan import check_campaign_plan
+from pipeline.config import Resources, RolloutServers
 from pipeline.launch import plan as planner
-from pipeline.launch.campaign import CampaignPlan, Resources, RolloutServers, Stage
+from pipeline.launch.campaign import CampaignPlan, Stage
 from pipeline.stages.preflight import preflight
 from recipes.papers import PAPER_PRESETS
 from tests.launch.test_plan import FIXTURES, PRESET_FIXTURES

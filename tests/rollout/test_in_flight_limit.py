@@ -120,7 +120,7 @@ def test_the_servers_are_started_with_the_configured_capacity():
 
 
 def test_extra_args_cannot_set_the_capacity_apart_from_the_client():
-    from pipeline.launch.campaign import RolloutServers
+    from pipeline.config import RolloutServers
 
     for args in (["--max-running-requests", "512"], ["--max-running-requests=512"]):
         with pytest.raises(ConfigError, match="rollout.extra_args: --max-running-requests is set by"):

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.launch.campaign import CampaignPlan, CampaignStatus, Resources, Stage
+from pipeline.config import Resources
+from pipeline.launch.campaign import CampaignPlan, CampaignStatus, Stage
 from pipeline.launch.nemo import LaunchOptions, launch_campaign
 from tests.slurm.cluster import START_BUDGET_S, DevCluster
 from tests.slurm.test_launch_slurm import _logs, _tiny_rl_config, _trained_steps
