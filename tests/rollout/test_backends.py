@@ -56,7 +56,7 @@ def test_an_unknown_backend_names_the_table():
 
 def test_the_config_literals_list_the_table():
     """``rollout.engine`` and a campaign's ``resources.rollout.server`` accept exactly what the table holds."""
-    from pipeline.launch.campaign import RolloutServers
+    from pipeline.config import RolloutServers
 
     assert sorted(typing.get_args(typing.get_type_hints(RolloutConfig)["engine"])) == ROLLOUT_BACKENDS.names()
     programs = sorted(p for backend in _backends_with_servers() for p in backend.servers.modules)
