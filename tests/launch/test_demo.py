@@ -39,6 +39,7 @@ def test_demo_runs_the_campaign_and_reports(tmp_path):
             "zero-variance groups | prompts filtered | RL FLOPs | estimator FLOPs | campaign FLOPs | "
             "RL wall time |") in text
     assert "base policy: held-out pass@1" in text and "tiny demo" in text
+    assert "Why plain GRPO is the default" in text  # the demo states why its default is what it is
     assert "reloaded with transformers" in text
     assert isinstance(result["answer"], str)
     assert set(result["runs"]) == {"default", "grpo", "methods"}
