@@ -25,7 +25,10 @@ failed, 1 otherwise. docs/gpu.md says what each result means.
    (3 rows × 37 tokens, padded to a multiple of 16 tokens) and on the full batch;
 7. ``sglang``: a bf16 export served by a real SGLang server (``--dtype bfloat16``,
    ``--enable-deterministic-inference`` so ``sampling_seed`` is honoured): its log-probs of its
-   own samples match the actor's, and ``/update_weights_from_disk`` moves it to version 2.
+   own samples match the actor's, and ``/update_weights_from_disk`` moves it to version 2;
+8. ``sglang-update-group``: an rl stage's weight push over SGLang's update group (``rollout.sync=distributed``,
+   NCCL): the trainer engine from the backend table, ``sync_actor_to_engine``, and the server then serves the
+   trained weights (its log-probs match the actor's).
 """
 
 from __future__ import annotations
@@ -266,17 +269,7 @@ class Smoke:
         detail = self.train(actor)
         return f"recipe {self.args.fp8}: 3×{length} micro-batch loss {first.loss:.3f}; {detail}"
 
-    def sglang(self) -> str:
-        from pipeline.checkpoint.manager import CheckpointManager
-        from pipeline.models.tokenizer import encode_prompt
-        from pipeline.rl.rollouts import to_train_batch
-        from pipeline.rollout.mismatch import logprob_mismatch
-        from pipeline.rollout.sglang.generation import SGLangEngine
-        from pipeline.rollout.sglang.protocol import SGLangServerSpec
-        from pipeline.rollout.sglang.weights import SGLangWeights
-        from pipeline.rollout.types import GenerationRequest, SamplingParams
-        from pipeline.trainer.losses import CrossEntropyLoss
-
+    def _require_sglang(self) -> None:
         if self.args.skip_sglang:
             raise _Skip("--skip-sglang")
         try:
@@ -284,45 +277,101 @@ class Smoke:
         except Exception as error:  # noqa: BLE001
             raise _Skip(f"sglang does not import here ({type(error).__name__}); install its stack or pass "
                         "--skip-sglang") from None
-        actor = self.actors["te"]
 
-        def export(step: int) -> Path:
-            run_dir = self.workdir / f"run{step}"
-            CheckpointManager(run_dir, keep_last=1).save(step, actor=actor)
-            out = self.workdir / f"hf{step}"
-            # bf16 on disk: an fp32 export with --dtype auto is served in float16.
-            subprocess.run([sys.executable, "-m", "pipeline.cli", "convert", "megatron-to-hf", "--ckpt", str(run_dir),
-                            "--out", str(out), "--tokenizer", str(self.tokenizer_dir), "--overwrite", "--dtype", "bf16",
-                            "--atol", "0.05"], check=True)
-            return out
+    def export(self, actor, step: int) -> Path:
+        """A bf16 Hugging Face folder of ``actor`` (as ``winnow convert megatron-to-hf`` writes it)."""
+        from pipeline.checkpoint.manager import CheckpointManager
 
-        server = SGLangServerSpec(model_path=str(export(1)), port=self.args.port, host="127.0.0.1", weight_version=1,
+        run_dir = self.workdir / f"run{step}"
+        CheckpointManager(run_dir, keep_last=1).save(step, actor=actor)
+        out = self.workdir / f"hf{step}"
+        # bf16 on disk: an fp32 export with --dtype auto is served in float16.
+        subprocess.run([sys.executable, "-m", "pipeline.cli", "convert", "megatron-to-hf", "--ckpt", str(run_dir),
+                        "--out", str(out), "--tokenizer", str(self.tokenizer_dir), "--overwrite", "--dtype", "bf16",
+                        "--atol", "0.05"], check=True)
+        return out
+
+    def launch_server(self, model: Path, *, port: int, log_dir: str):
+        from pipeline.rollout.sglang.generation import SGLangEngine
+        from pipeline.rollout.sglang.protocol import SGLangServerSpec
+
+        server = SGLangServerSpec(model_path=str(model), port=port, host="127.0.0.1", weight_version=1,
                                   dtype="bfloat16", random_seed=0, enable_deterministic_inference=True)
-        engine = SGLangEngine.launch([server], log_dir=self.workdir / "sglang")
+        return SGLangEngine.launch([server], log_dir=self.workdir / log_dir)
+
+    def engine_mismatch(self, engine, actor) -> float:
+        """Mean |Δ| between the engine's log-probs of its own samples and the actor's."""
+        from pipeline.models.tokenizer import encode_prompt
+        from pipeline.rl.rollouts import to_train_batch
+        from pipeline.rollout.mismatch import logprob_mismatch
+        from pipeline.rollout.types import GenerationRequest, SamplingParams
+
+        prompts = [encode_prompt(self.tokenizer, f"What is {a} + {a + 1}?") for a in range(8)]
+        requests = [GenerationRequest(prompt_id=str(i), prompt_token_ids=p, num_samples=2)
+                    for i, p in enumerate(prompts)]
+        completions = engine.generate(requests, SamplingParams(max_new_tokens=16, temperature=1.0, seed=1))
+        batch, engine_logprobs = to_train_batch(prompts, completions, torch.arange(len(prompts)).repeat_interleave(2),
+                                                pad_id=self.tokenizer.pad_token_id)
+        _, metrics = logprob_mismatch(engine_logprobs, actor.compute_logprobs(batch), mask=batch.response_mask)
+        return float(metrics["mean_abs_diff"])
+
+    def sglang(self) -> str:
+        from pipeline.rollout.sglang.weights import SGLangWeights
+        from pipeline.trainer.losses import CrossEntropyLoss
+
+        self._require_sglang()
+        actor = self.actors["te"]
+        engine = self.launch_server(self.export(actor, 1), port=self.args.port, log_dir="sglang")
         try:
-            prompts = [encode_prompt(self.tokenizer, f"What is {a} + {a + 1}?") for a in range(8)]
-            requests = [GenerationRequest(prompt_id=str(i), prompt_token_ids=p, num_samples=2)
-                        for i, p in enumerate(prompts)]
-            params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1)
-
-            def mismatch() -> float:
-                completions = engine.generate(requests, params)
-                batch, engine_logprobs = to_train_batch(
-                    prompts, completions, torch.arange(len(prompts)).repeat_interleave(2),
-                    pad_id=self.tokenizer.pad_token_id)
-                _, metrics = logprob_mismatch(engine_logprobs, actor.compute_logprobs(batch), mask=batch.response_mask)
-                return float(metrics["mean_abs_diff"])
-
-            before = mismatch()
+            before = self.engine_mismatch(engine, actor)
             expect(before < 0.1, f"SGLang vs actor log-probs mean |Δ| {before:.4f} ≥ 0.1")
             for _ in range(2):
                 actor.train_step(self.batch, CrossEntropyLoss())
-            SGLangWeights(engine.pool).load_from_disk(str(export(2)), version=2)
-            after = mismatch()
+            SGLangWeights(engine.pool).load_from_disk(str(self.export(actor, 2)), version=2)
+            after = self.engine_mismatch(engine, actor)
             expect(engine.weight_version == 2 and after < 0.1, f"version {engine.weight_version}, mean |Δ| {after:.4f}")
             return f"mean |Δ| {before:.4f}; after /update_weights_from_disk to version 2: {after:.4f}"
         finally:
             engine.close()
+
+    def sglang_update_group(self) -> str:
+        """An rl stage's weight push over the update group (``rollout.sync=distributed``), as the loop does it.
+
+        The trainer's engine comes from the backend table (``trainer_engine``: the SGLang client in its
+        ``DistributedSyncedEngine``) and the push is ``sync_actor_to_engine``: begin the server's update
+        session, join the NCCL group, broadcast every bucket, end the session. The server must then serve
+        the trained weights: its log-probs of its own samples match the actor's after two updates.
+        """
+        from pipeline import configlib
+        from pipeline.config import RolloutConfig
+        from pipeline.rollout.backends import ROLLOUT_BACKENDS
+        from pipeline.rollout.weight_sync import sync_actor_to_engine
+        from pipeline.trainer.losses import CrossEntropyLoss
+
+        self._require_sglang()
+        actor = self.actors["te"]
+        port = self.args.port + 1
+        server = self.launch_server(self.export(actor, 3), port=port, log_dir="sglang-update-group")
+        synced = None
+        try:
+            rollout = configlib.load(RolloutConfig, overrides=[
+                "engine=sglang", f"servers=[http://127.0.0.1:{port}]", "sync=distributed", "server_tensor_parallel=1",
+                f"weights_dir={self.workdir / 'weights'}"])
+            synced = ROLLOUT_BACKENDS.get("sglang").trainer_engine(rollout, spec=self.spec, tokenizer=self.tokenizer,
+                                                                   tokenizer_dir=self.tokenizer_dir)
+            for _ in range(2):
+                actor.train_step(self.batch, CrossEntropyLoss())
+            stale = self.engine_mismatch(synced, actor)
+            sync_actor_to_engine(actor, synced, version=2)
+            after = self.engine_mismatch(synced, actor)
+            expect(synced.weight_version == 2 and after < 0.1,
+                   f"version {synced.weight_version}, mean |Δ| {after:.4f} after the push (before it {stale:.4f})")
+            return (f"before the push (served weights two updates old) mean |Δ| {stale:.4f}; after the update-group "
+                    f"push to version 2: {after:.4f}")
+        finally:
+            if synced is not None:
+                synced.close()
+            server.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         ("te-load-converted", "te_load_converted", ("setup",)),
         ("fp8", "fp8", ("setup",)),
         ("sglang", "sglang", ("te-bf16",)),
+        ("sglang-update-group", "sglang_update_group", ("sglang",)),
     ):
         run_check(name, workdir, lambda method=method: getattr(smoke[0], method)(), needs=needs)
     counts = {status: [n for n, s in RESULTS.items() if s == status] for status in ("PASS", "SKIP", "FAIL")}

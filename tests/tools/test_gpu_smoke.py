@@ -83,12 +83,12 @@ def test_the_smoke_uses_the_python_it_is_given_and_reports_each_check(tmp_path):
     assert lines[0].startswith(f"gpu_smoke: using {sys.executable}")
     statuses = dict(re.match(r"(PASS|FAIL|SKIP)\s+([\w-]+):", line).group(2, 1) for line in lines[1:-1])
     assert list(statuses) == ["environment", "setup", "local-bf16", "te-bf16", "te-weight-sync", "te-load-converted",
-                              "fp8", "sglang"]
+                              "fp8", "sglang", "sglang-update-group"]
     # On this CPU machine: the probe fails with its reason, everything else is skipped, no traceback.
     assert statuses["environment"] == "FAIL" and "no CUDA device" in lines[1]
     assert set(list(statuses.values())[1:]) == {"SKIP"}
     assert "Traceback" not in result.stdout + result.stderr and result.returncode == 1
-    assert lines[-1] == "0 passed, 7 skipped, 1 failed: environment"
+    assert lines[-1] == "0 passed, 8 skipped, 1 failed: environment"
     assert (tmp_path / "environment.log").is_file()
 
 
