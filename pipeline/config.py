@@ -116,9 +116,18 @@ class ParallelConfig:
 
 # The collective timeout when nothing longer is needed (torch's own NCCL default is 10 min).
 DEFAULT_COLLECTIVE_TIMEOUT_MIN = 30
-# The longest a weight sync may keep rank 0 away from the others: SGLangClientConfig.admin_timeout_s,
-# the limit of one server's update_weights call (the tests keep the two equal).
-WEIGHT_SYNC_ALLOWANCE_S = 900.0
+# A streamed weight sync's limits (the SGLang client's; the tests keep them equal to its own):
+# one server's update call (SGLangClientConfig.admin_timeout_s), the update group's collective
+# timeout beyond it (so the HTTP limit, which names the server, always fires first), and the
+# new groups one sync may form after a member failed before it gives up.
+WEIGHT_SYNC_ADMIN_TIMEOUT_S = 900.0
+UPDATE_GROUP_TIMEOUT_MARGIN_S = 60.0
+MAX_UPDATE_GROUP_REFORMS = 2
+# The longest a weight sync may keep rank 0 away from the others: each try of a bucket (the first
+# and one per new group) waits at most an update call plus the group's collective timeout.
+# 3 × (900 + 960) s = 93 min with the defaults.
+WEIGHT_SYNC_ALLOWANCE_S = (1 + MAX_UPDATE_GROUP_REFORMS) * (2 * WEIGHT_SYNC_ADMIN_TIMEOUT_S
+                                                            + UPDATE_GROUP_TIMEOUT_MARGIN_S)
 
 
 def collective_timeout_minutes(*, parallel: ParallelConfig, rollout: RolloutConfig) -> int:

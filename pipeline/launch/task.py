@@ -166,7 +166,8 @@ def wait_for_servers(urls: Sequence[str], *, timeout_s: float, poll_s: float = R
 
 def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, poll_s: float = 5.0,
           urls: Sequence[str] = (), max_restarts: int = 0, health_timeout_s: float = 30.0,
-          startup_timeout_s: float = 1800.0, min_servers: int = 1, servers_elsewhere: int = 0) -> int:
+          startup_timeout_s: float = 1800.0, min_servers: int = 1, servers_elsewhere: int = 0,
+          load_leases_dir: Path | None = None) -> int:
     """Run the servers under a ``Supervisor`` until ``done_marker`` holds ``token``.
 
     ``urls`` (one per command) turn on the health probes that find hung servers; without them
@@ -174,7 +175,9 @@ def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, p
     ends early, with the last server's exit status (non-zero: srun's --kill-on-bad-exit then
     ends the trainer too, and the job fails or is requeued), only once this node's remaining
     servers plus the ``servers_elsewhere`` of the other rollout nodes are below ``min_servers``:
-    the trainer cannot go on then either. Else 0.
+    the trainer cannot go on then either. Else 0. ``load_leases_dir``: where the trainer's client
+    leaves a lease while it has a server load weights (``pipeline.rollout.leases``); the failed
+    health probes of a leased server do not count towards its hang window.
 
     SIGUSR1 is ignored by this process and every server it starts or restarts, always: it means
     nothing to a server, and SLURM's ``--signal=USR1@N`` (the trainer's cue to checkpoint) reaches
@@ -182,6 +185,7 @@ def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, p
     would end the trainer's tasks, and the checkpoint it asks for would never be written. Ignoring it
     run by hand too keeps the role the same in and out of SLURM. SIGTERM keeps its default action.
     """
+    from pipeline.rollout.leases import WeightLoadLeases
     from pipeline.rollout.supervise import ServerCommand, Supervisor
 
     addresses: list[str | None] = list(urls) if urls else [None] * len(commands)
@@ -189,7 +193,8 @@ def serve(commands: Sequence[Sequence[str]], *, done_marker: Path, token: str, p
         raise ValueError(f"{len(commands)} server commands but {len(addresses)} URLs")
     supervisor = Supervisor([ServerCommand(command=tuple(c), url=u) for c, u in zip(commands, addresses)],
                             max_restarts=max_restarts, probe_timeout_s=health_timeout_s, probe_interval_s=poll_s,
-                            startup_timeout_s=startup_timeout_s, ignored_signals=(signal.SIGUSR1,))
+                            startup_timeout_s=startup_timeout_s, ignored_signals=(signal.SIGUSR1,),
+                            load_leases=None if load_leases_dir is None else WeightLoadLeases(load_leases_dir))
     next_check = time.monotonic()
     with supervisor:
         # The done marker is looked for every ROLE_POLL_S (the job ends that much after the trainer),
@@ -449,10 +454,14 @@ def run_role(role: str, *, campaign_dir: str, stage_name: str, launcher: Sequenc
             # Started in the background by the first node's script, which then becomes the node role:
             # the servers go with it (a kill -9 of the node role leaves no server behind).
             exit_with_parent(parent_pid=None)
+        from pipeline.rollout.leases import load_leases_dir
+
+        urls = [f"http://{host}:{servers.port + i}" for i in range(servers.servers_per_node)]
+        # The trainer's client writes its leases under the weights folder with_servers gives the stage.
+        leases = load_leases_dir(with_servers(stage, urls).config.rollout.weights_dir)
         return serve(server_commands(stage, host=host), done_marker=_done_marker(plan, stage),
-                     token=_attempt_token(),
-                     urls=[f"http://{host}:{servers.port + i}" for i in range(servers.servers_per_node)],
+                     token=_attempt_token(), urls=urls,
                      max_restarts=rollout.max_server_failures, health_timeout_s=rollout.health_timeout_s,
                      startup_timeout_s=servers.startup_timeout_s, min_servers=rollout.min_servers,
-                     servers_elsewhere=(servers.nodes - 1) * servers.servers_per_node)
+                     servers_elsewhere=(servers.nodes - 1) * servers.servers_per_node, load_leases_dir=leases)
     return run_node(plan, stage, launcher=launcher)

@@ -19,8 +19,9 @@ part of SGLang 0.5.23's HTTP protocol that winnow's client uses, with SGLang's a
   plays one rank: it starts only with ``--tp-size 1`` (a rehearsal runs SGLang's TP servers as
   TP-1 stand-ins and says so). Distributed updates only inside a
   ``/begin_weight_update`` … ``/end_weight_update`` session, with the scheduler's refusals.
-* ``GET /health``, ``/health_generate`` (a one-token generation through the model),
-  ``/model_info`` (the served ``weight_version``), ``POST /flush_cache``,
+* ``GET /health``, ``/health_generate`` (a one-token generation through the model, so it waits
+  while a weight update holds the model, as SGLang's scheduler does), ``/model_info`` (the served
+  ``weight_version``), ``/server_info`` (``tp_size`` 1, the rank it plays), ``POST /flush_cache``,
   ``/release_memory_occupation``, ``/resume_memory_occupation``.
 
 Every weight push changes what the server generates: the pushed tensors are the model's
@@ -231,6 +232,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/model_info":
             self._send(200, {"model_path": "standin", "is_generation": True,
                              "weight_version": served.weight_version})
+        elif self.path == "/server_info":
+            # SGLang's resolved ServerArgs, of which the client reads tp_size; a stand-in plays one rank.
+            self._send(200, {"tp_size": 1, "pp_size": 1, "version": "standin"})
         else:
             self._send(404, {"detail": "Not Found"})
 

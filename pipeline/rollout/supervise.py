@@ -9,11 +9,18 @@ the ``serve`` role of a campaign's rollout nodes (``pipeline.launch.task.serve``
 * probes every running server's ``GET /health_generate`` with ``probe_timeout_s``. SGLang answers
   it with a one-token generation through its scheduler (503 after its own 20 s limit), so a hung
   scheduler behind a live HTTP front end fails it, and a stopped process (``SIGSTOP``, a stuck
-  driver call), whose kernel still accepts the connection, never answers. ``max_failed_probes``
-  failures in a row mark the server hung: its process group gets ``SIGKILL`` (a hung process
-  ignores ``SIGTERM``) and it is started again. A scheduler busy loading weights answers no
-  probe either (about a minute for a 7B folder from disk, seconds by broadcast), so the default
-  window, 6 probes of up to 30 s each, is about three minutes;
+  driver call), whose kernel still accepts the connection, never answers. A server that answered
+  no probe for ``hang_window_s`` is hung: its process group gets ``SIGKILL`` (a hung process
+  ignores ``SIGTERM``) and it is started again. The window is ``max_failed_probes`` probes'
+  timeouts (``MAX_FAILED_PROBES`` = 6 × ``rollout.health_timeout_s`` = 30 s: three minutes),
+  measured on the clock from the start of the first failed probe: counting failed probes instead
+  made it depend on how fast each failed (6 × 20 s = two minutes for SGLang's own 503, 6 × 30 s
+  for a stopped process, less for a refused connection);
+* does not count failed probes while the trainer has the server load weights: a scheduler inside
+  a load answers no probe either (about a minute for a 7B folder from shared storage, longer when
+  eight servers read it at once; seconds per bucket of a broadcast). The trainer's client leases
+  the server for the load (``load_leases``: ``pipeline.rollout.leases``, a file per server
+  in the folder trainer and servers share); the hang window starts again when the lease ends;
 * gives a (re)started server ``startup_timeout_s`` to answer its first probe (a 7B server loads
   in one to three minutes), then treats it as hung.
 
@@ -51,11 +58,17 @@ from dataclasses import dataclass
 import httpx
 
 from pipeline.parallel.lifetime import exit_with_parent_preexec
+from pipeline.rollout.leases import WeightLoadLeases
 from pipeline.rollout.sglang.protocol import HEALTH_GENERATE_PATH
 
-__all__ = ["ServerCommand", "Supervisor"]
+__all__ = ["MAX_FAILED_PROBES", "ServerCommand", "Supervisor"]
 
 logger = logging.getLogger(__name__)
+
+# A hang is this many health probes' timeouts without an answered probe: at the default probe timeout
+# (rollout.health_timeout_s, 30 s) three minutes, above a scheduler's longest legitimate silence that no
+# lease covers (CUDA graph capture after a restart is covered by startup_timeout_s instead).
+MAX_FAILED_PROBES = 6
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -81,6 +94,8 @@ class _Supervised:
     started_at: float = 0.0  # time.monotonic() of its last (re)start
     healthy: bool = False  # answered a probe since its last (re)start
     failed_probes: int = 0  # in a row
+    failing_since: float | None = None  # time.monotonic() at the start of the first of them
+    loading: bool = False  # its last failed probe came while the trainer had it load weights
     restarts: int = 0
     retired: bool = False
     last_exit: int | None = None
@@ -90,6 +105,9 @@ class Supervisor:
     """Starts, probes, restarts and retires a node's server processes; see the module docstring.
 
     Servers without a URL are not probed: only their exits are seen (no hang detection).
+    ``probe_interval_s``: how often ``run`` checks; the hang window (``hang_window_s`` =
+    ``max_failed_probes × probe_timeout_s``) does not depend on it. ``load_leases``: where the
+    trainer leases a server while it loads weights into it (None: no lease is looked for).
     ``env``: the servers' environment (None: this process's). ``ignored_signals``: ignored by this
     process from ``start`` to ``close`` (then restored), hence by every server started or restarted
     in between; ``start`` must then run in the main thread (Python sets dispositions only there).
@@ -103,8 +121,9 @@ class Supervisor:
         health_path: str = HEALTH_GENERATE_PATH,
         probe_timeout_s: float = 30.0,
         probe_interval_s: float = 10.0,
-        max_failed_probes: int = 6,
+        max_failed_probes: int = MAX_FAILED_PROBES,
         startup_timeout_s: float = 1800.0,
+        load_leases: WeightLoadLeases | None = None,
         env: Mapping[str, str] | None = None,
         ignored_signals: Sequence[int] = (),
     ) -> None:
@@ -124,6 +143,7 @@ class Supervisor:
         self.probe_interval_s = probe_interval_s
         self.max_failed_probes = max_failed_probes
         self.startup_timeout_s = startup_timeout_s
+        self.load_leases = load_leases
         self.env = dict(env) if env is not None else None
         self.ignored_signals = tuple(ignored_signals)
         self._dispositions: dict[int, object] = {}  # what ``start`` replaced, restored by ``close``
@@ -132,6 +152,11 @@ class Supervisor:
         self._client = httpx.Client(trust_env=False, timeout=httpx.Timeout(probe_timeout_s))
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def hang_window_s(self) -> float:
+        """How long a running server may answer no health probe before it counts as hung."""
+        return self.max_failed_probes * self.probe_timeout_s
 
     @property
     def pids(self) -> list[int | None]:
@@ -216,19 +241,41 @@ class Supervisor:
                 running.append(server)
         if not running:
             return
+        probed_at = time.monotonic()
         errors = list(self._pool.map(self._probe, running))
         now = time.monotonic()
         for server, error in zip(running, errors):
             if error is None:
                 server.healthy = True
                 server.failed_probes = 0
+                server.failing_since = None
+                server.loading = False
             elif not server.healthy:
                 if now - server.started_at > self.startup_timeout_s:
                     self._failed(server, f"not healthy within startup_timeout_s={self.startup_timeout_s:g}: {error}")
+            elif self._loading_weights(server):
+                # Busy with a load the trainer asked for: not a hang; the window starts again after it.
+                server.failed_probes = 0
+                server.failing_since = None
             else:
                 server.failed_probes += 1
-                if server.failed_probes >= self.max_failed_probes:
-                    self._failed(server, f"hung: {server.failed_probes} health probes failed in a row, last: {error}")
+                if server.failing_since is None:
+                    server.failing_since = probed_at
+                if now - server.failing_since >= self.hang_window_s:
+                    self._failed(server, f"hung: no health probe answered for {now - server.failing_since:.0f} s "
+                                         f"(hang window {self.hang_window_s:g} s = {self.max_failed_probes} × "
+                                         f"probe_timeout_s={self.probe_timeout_s:g}; {server.failed_probes} "
+                                         f"probes failed), last: {error}")
+
+    def _loading_weights(self, server: _Supervised) -> bool:
+        """Whether the trainer holds a weight-load lease on the server (logged once per load)."""
+        loading = (self.load_leases is not None and server.spec.url is not None
+                   and self.load_leases.active(server.spec.url))
+        if loading and not server.loading:
+            logger.info("rollout server %s fails its health probes while the trainer has it load weights; not "
+                        "counted as a hang", self._name(server))
+        server.loading = loading
+        return loading
 
     def _probe(self, server: _Supervised) -> str | None:
         assert server.spec.url is not None
@@ -263,6 +310,8 @@ class Supervisor:
         server.started_at = time.monotonic()
         server.healthy = False
         server.failed_probes = 0
+        server.failing_since = None
+        server.loading = False
 
     @staticmethod
     def _name(server: _Supervised) -> str:

@@ -25,12 +25,13 @@ processes go to a ``WeightSink`` (``pipeline.rollout.types``), whatever receives
   the sink load it (``WeightSink.load_from_disk``). The previous export is removed once the
   receivers run the new one. For trainers and servers that share only a filesystem.
 * ``DistributedSyncedEngine`` (``sync=distributed``): the buckets stream to the sink as rank 0
-  receives them: ``begin_update``, one ``send_bucket`` per bucket, ``end_update``. If a
-  delivery fails (a server died), the sync drains the remaining buckets so every trainer rank
-  finishes its part, ends the update incomplete and raises one ``RolloutError``; the next
-  sync starts a new update (for SGLang: a new update group with the servers still up,
-  ``pipeline.rollout.sglang.weights``). Bytes per sync at 7B: 15.2 GB out of rank 0 to every
-  server, once.
+  receives them: ``begin_update``, one ``send_bucket`` per bucket, ``end_update``. A receiver
+  that fails mid-sync is the sink's to handle (for SGLang: the failed server is dropped and the
+  update goes on in a new update group with the others, ``pipeline.rollout.sglang.weights``). If
+  the sink gives up, the sync drains the remaining buckets so every trainer rank finishes its
+  part, ends the update incomplete and raises one ``RolloutError`` (a ``UserError`` of the sink,
+  such as a server parallelism the config does not match, is raised as it is); the next sync
+  starts a new update. Bytes per sync at 7B: 15.2 GB out of rank 0 to every server, once.
 
 ``actor_hf_state`` gives the same stream as ``(name, tensor)`` pairs on rank 0, for tools
 that copy the weights somewhere themselves.
@@ -50,7 +51,7 @@ import torch
 from pipeline.checkpoint.artifact import tokenizer_files
 from pipeline.checkpoint.hf_io import INDEX_FILE, generation_values_for, write_hf_configs
 from pipeline.checkpoint.hf_map import expected_hf_shapes
-from pipeline.errors import CheckpointError
+from pipeline.errors import CheckpointError, UserError
 from pipeline.io import publish_directory
 from pipeline.models.spec import ModelSpec
 from pipeline.parallel.weight_transfer import export_role, sync_broadcast, sync_gather
@@ -298,7 +299,7 @@ class DistributedSyncedEngine(SyncedEngine):
         error: BaseException | None = None
         try:
             self.sink.begin_update(version=version)
-        except RuntimeError as failure:  # RolloutError, or the transport's own
+        except (RuntimeError, UserError) as failure:  # RolloutError, the transport's own, or a config mismatch
             error = failure
         in_update = error is None
         for bucket in buckets:
@@ -312,6 +313,8 @@ class DistributedSyncedEngine(SyncedEngine):
                 error = failure
         if in_update:
             self.sink.end_update(version=version, completed=error is None)
+        if isinstance(error, UserError):
+            raise error
         if error is not None:
             raise RolloutError(f"weight sync to version {version} failed; the next sync starts a new update: "
                                f"{error}") from error

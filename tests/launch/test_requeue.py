@@ -177,32 +177,40 @@ def _sglang(**changes) -> RolloutConfig:
 
 
 def test_collective_timeout_covers_the_rollout_wait_plus_a_sync():
-    assert WEIGHT_SYNC_ALLOWANCE_S == SGLangClientConfig().admin_timeout_s
+    from pipeline.rollout.sglang.weights import COLLECTIVE_TIMEOUT_MARGIN_S, MAX_GROUP_REFORMS, collective_timeout_s
+
+    # A sync whose group fails re-forms it up to MAX_GROUP_REFORMS times; each try of a bucket waits at most
+    # one update call and the group's collective timeout, and the other ranks wait for all of it.
+    admin_s = SGLangClientConfig().admin_timeout_s
+    assert WEIGHT_SYNC_ALLOWANCE_S == (1 + MAX_GROUP_REFORMS) * (admin_s + collective_timeout_s(admin_s))
+    assert COLLECTIVE_TIMEOUT_MARGIN_S > 0 and WEIGHT_SYNC_ALLOWANCE_S == 5580
     # The local engine has no timeout to derive from.
     assert collective_timeout_minutes(parallel=ParallelConfig(), rollout=RolloutConfig()) == 30
-    # Defaults: 3600 s × 4 attempts + 900 s = 255 min, strictly exceeded.
-    assert collective_timeout_minutes(parallel=ParallelConfig(), rollout=_sglang()) == 256
-    # A batch limit replaces the per-request bound; short limits keep the floor.
-    assert collective_timeout_minutes(parallel=ParallelConfig(), rollout=_sglang(batch_timeout_s=1800)) == 46
-    assert collective_timeout_minutes(parallel=ParallelConfig(), rollout=_sglang(
-        request_timeout_s=60, max_attempts=2)) == DEFAULT_COLLECTIVE_TIMEOUT_MIN
+    # Defaults: 3600 s × 4 attempts + 5580 s = 333 min, strictly exceeded.
+    assert collective_timeout_minutes(parallel=ParallelConfig(), rollout=_sglang()) == 334
+    # A batch limit replaces the per-request bound.
+    assert collective_timeout_minutes(parallel=ParallelConfig(), rollout=_sglang(batch_timeout_s=1800)) == 124
+    assert collective_timeout_minutes(parallel=ParallelConfig(), rollout=_sglang(request_timeout_s=60, max_attempts=2)) == 96
+    # Short limits keep the floor.
+    assert collective_timeout_minutes(parallel=ParallelConfig(), rollout=RolloutConfig()) == DEFAULT_COLLECTIVE_TIMEOUT_MIN
     for rollout in (_sglang(), _sglang(batch_timeout_s=1800), _sglang(request_timeout_s=600, max_attempts=1)):
         minutes = collective_timeout_minutes(parallel=ParallelConfig(), rollout=rollout)
         wait_s = rollout.batch_timeout_s or rollout.request_timeout_s * rollout.max_attempts
         assert minutes * 60 > wait_s + WEIGHT_SYNC_ALLOWANCE_S
     # An explicit timeout at least the rollout's wait is kept; with the local engine any is.
     assert collective_timeout_minutes(parallel=ParallelConfig(collective_timeout_min=5), rollout=RolloutConfig()) == 5
-    assert collective_timeout_minutes(parallel=ParallelConfig(collective_timeout_min=300), rollout=_sglang()) == 300
+    assert collective_timeout_minutes(parallel=ParallelConfig(collective_timeout_min=400), rollout=_sglang()) == 400
 
 
 def test_a_collective_timeout_shorter_than_the_rollout_is_refused_at_load():
     overrides = ["rollout.engine=sglang", "rollout.servers=[http://r0:30000]", "rollout.weights_dir=/w",
                  "parallel.collective_timeout_min=60"]
     with pytest.raises(ConfigError, match=r"parallel.collective_timeout_min: 60 min; .*rollout.request_timeout_s "
-                                          r"× rollout.max_attempts.* at least 256 min"):
+                                          r"× rollout.max_attempts.* at least 334 min"):
         load(RLConfig, overrides=overrides)
-    cfg = load(RLConfig, overrides=[*overrides, "rollout.batch_timeout_s=2400"])  # 2400 + 900 s < 60 min
-    assert collective_timeout_minutes(parallel=cfg.parallel, rollout=cfg.rollout) == 60
+    cfg = load(RLConfig, overrides=[*overrides[:-1], "parallel.collective_timeout_min=120",
+                                    "rollout.batch_timeout_s=1200"])  # 1200 + 5580 s < 120 min
+    assert collective_timeout_minutes(parallel=cfg.parallel, rollout=cfg.rollout) == 120
 
 
 def test_rl_workers_get_the_derived_timeout(monkeypatch):
@@ -217,7 +225,7 @@ def test_rl_workers_get_the_derived_timeout(monkeypatch):
                         types.SimpleNamespace(initialize_process_context=initialize_process_context))
     cfg = dataclasses.replace(RLConfig(), rollout=_sglang(batch_timeout_s=1800))
     assert task.stage_context(Stage(name="rl", kind="rl", config=cfg)) == "context"
-    assert seen["timeout_minutes"] == 46
+    assert seen["timeout_minutes"] == 124
     assert task.stage_context(cpu_campaign(output_dir="/x", tiny=True).stage("curate")) is None
 
 

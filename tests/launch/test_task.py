@@ -117,6 +117,28 @@ def test_with_servers_switches_to_the_backend_the_servers_run(tmp_path):
         assert rollout.weights_dir == str(tmp_path / output / f"{rollout.engine}_weights")
 
 
+def test_the_serve_role_supervises_with_the_leases_the_trainers_client_writes(tmp_path, monkeypatch):
+    """A server loading weights fails its health probes like a hung one; the trainer's client leaves a lease
+    in the weights folder of the stage's servers, and the serve role's supervisor must read that folder."""
+    from pipeline.rollout.leases import load_leases_dir
+
+    plan = cpu_campaign(output_dir=tmp_path, tiny=True)
+    stage = plan.stage("rl-grpo")
+    stage = dataclasses.replace(stage, resources=dataclasses.replace(
+        stage.resources, rollout=RolloutServers(nodes=1, servers_per_node=2, server="standin",
+                                                model_path=str(tmp_path / "hf"))))
+    plan = dataclasses.replace(plan, stages=[stage if s.name == stage.name else s for s in plan.stages])
+    plan.save()
+    seen = {}
+    monkeypatch.setattr(task, "serve", lambda commands, **kwargs: seen.update(kwargs) or 0)
+    monkeypatch.setenv("SLURMD_NODENAME", "r0")
+    assert task.run_role("serve", campaign_dir=str(tmp_path), stage_name="rl-grpo") == 0
+    urls = ["http://r0:30000", "http://r0:30001"]
+    assert seen["urls"] == urls
+    assert seen["load_leases_dir"] == load_leases_dir(task.with_servers(stage, urls).config.rollout.weights_dir)
+    assert seen["load_leases_dir"] == tmp_path / "rl" / "grpo" / "sglang_weights" / ".loading"
+
+
 def test_wait_for_servers_sees_health(tmp_path):
     (tmp_path / "health").write_text("ok")
     handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path))  # noqa: E731

@@ -26,7 +26,13 @@ can compare what the server holds with the trainer's weights (without the flag b
 are validated and answered, nothing is received). ``--die-on-bucket N``:
 ``os._exit`` when the N-th distributed update arrives, before it receives anything.
 
-``GET /model_info`` answers SGLang's ``GetModelInfoResponse`` with the served weight version.
+``--die-on-bucket N`` has a variant: ``--hang-on-bucket N`` stops the process (``SIGSTOP``) instead, a
+server that stops answering in the middle of a broadcast. ``--fail-begin`` refuses every
+``/begin_weight_update``. ``--load-delay-s S``: each ``/update_weights_from_disk`` takes S seconds,
+during which ``/health_generate`` answers 503, as a scheduler busy loading weights does.
+
+``GET /model_info`` answers SGLang's ``GetModelInfoResponse`` with the served weight version;
+``GET /server_info`` reports ``--tp-size`` (default 1) as ``tp_size``.
 ``--vocab-size V`` keeps the tokens below V, so a real (tiny) policy can train on them.
 ``--port P`` binds a fixed port (default: any free one), so a supervisor can restart the server at
 the URL the client knows; every line of ``--log`` names the process id that wrote it.
@@ -96,6 +102,7 @@ class _State:
         self.groups: dict[str, Any] = {}  # group name → UpdateGroup
         self.weights: dict[str, Any] = {}  # name → tensor received by broadcast
         self.num_buckets = 0
+        self.loading = 0  # /update_weights_from_disk requests in progress
 
     def join_group(self, request: Any) -> tuple[bool, str]:
         from pipeline.parallel.weight_transfer import UpdateGroup
@@ -230,8 +237,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
-        if self.path in ("/health", "/health_generate"):
+        if self.path == "/health_generate" and self.state.loading:
+            self._send(503, raw=b"")  # SGLang's scheduler is inside the load: the probe's generation never runs
+        elif self.path in ("/health", "/health_generate"):
             self._send(200, raw=b"")
+        elif self.path == "/server_info":
+            self._send(200, {"tp_size": self.state.args.tp_size, "pp_size": 1, "version": "fake"})
         elif self.path == "/model_info":
             state = self.state
             info = state.api.GetModelInfoResponse(model_path="fake", is_generation=True,
@@ -279,6 +290,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
                 self._send(200, None)
+            elif self.path == "/begin_weight_update" and state.args.fail_begin:
+                self._send(400, {"success": False, "message": "fake: refusing to begin a weight-update session"})
             elif self.path == "/begin_weight_update":
                 if state.session_open:
                     self._send(400, {"success": False, "message": "a weight-update session is already open; "
@@ -318,6 +331,8 @@ class _Handler(BaseHTTPRequestHandler):
                     count = state.num_buckets
                 if count == state.args.die_on_bucket:
                     os._exit(3)
+                if count == state.args.hang_on_bucket:
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 with state.update_lock:
                     success, message = state.receive(decoded)
                 if success and decoded.weight_version is not None:
@@ -328,6 +343,12 @@ class _Handler(BaseHTTPRequestHandler):
                     state.weight_version = decoded.weight_version
                 if self.path == "/update_weights_from_disk":
                     state.num_updates += 1
+                    if state.args.load_delay_s:
+                        with state.lock:
+                            state.loading += 1
+                        time.sleep(state.args.load_delay_s)
+                        with state.lock:
+                            state.loading -= 1
                 self._send(200, {"success": True, "message": "Succeeded to update model weights."})
         else:
             self._send(404, {"detail": "Not Found"})
@@ -349,7 +370,15 @@ def main() -> None:
     parser.add_argument("--weights-out", default="")
     parser.add_argument("--vocab-size", type=int, default=FAKE_VOCAB)
     parser.add_argument("--die-after-updates", type=int, default=0)
+    parser.add_argument("--hang-on-bucket", type=int, default=0)
+    parser.add_argument("--fail-begin", action="store_true")
+    parser.add_argument("--load-delay-s", type=float, default=0.0)
+    parser.add_argument("--tp-size", type=int, default=1)
     args = parser.parse_args()
+    if args.join_groups:
+        # Ready only once it can join a group at once (torch loaded), as a started SGLang server can: a first
+        # join must not spend the client's admin timeout on an import.
+        import pipeline.parallel.weight_transfer  # noqa: F401
     # SGLang's uvicorn listens with a backlog of 2048; the stdlib default of 5 resets connections
     # when the engine opens one per request in flight to a single server.
     ThreadingHTTPServer.request_queue_size = 256
@@ -368,7 +397,8 @@ class FakeServer:
     def __init__(self, tmp_path: Path, name: str, *, mode: str = "ok", delay_s: float = 0.0, die_after: int = 0,
                  weight_version: str = "default", fail_updates: bool = False, join_groups: bool = False,
                  die_on_bucket: int = 0, group_timeout_s: float = 10.0, vocab_size: int = FAKE_VOCAB,
-                 die_after_updates: int = 0) -> None:
+                 die_after_updates: int = 0, hang_on_bucket: int = 0, fail_begin: bool = False,
+                 load_delay_s: float = 0.0, tp_size: int = 1) -> None:
         self.weights_path = tmp_path / f"{name}.weights.safetensors"
         self.port_file = tmp_path / f"{name}.port"
         self.log_path = tmp_path / f"{name}.jsonl"
@@ -385,7 +415,11 @@ class FakeServer:
             "--weights-out", str(self.weights_path),
             "--vocab-size", str(vocab_size),
             "--die-after-updates", str(die_after_updates),
-        ] + (["--fail-updates"] if fail_updates else []) + (["--join-groups"] if join_groups else [])
+            "--hang-on-bucket", str(hang_on_bucket),
+            "--load-delay-s", str(load_delay_s),
+            "--tp-size", str(tp_size),
+        ] + (["--fail-updates"] if fail_updates else []) + (["--join-groups"] if join_groups else []) + (
+            ["--fail-begin"] if fail_begin else [])
         self.name = name
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
         self.url = ""

@@ -156,8 +156,10 @@ def test_the_sglang_trainer_engine_syncs_through_its_servers_weight_sink(tmp_pat
     else:
         assert type(engine) is DistributedSyncedEngine
         assert engine.sink.update_group == UpdateGroupSettings(
-            backend="nccl" if torch.cuda.is_available() else "gloo", master_address="127.0.0.1",
-            ranks_per_server=2, timeout_s=engine.engine.config.admin_timeout_s)
+            backend="nccl" if torch.cuda.is_available() else "gloo", master_address="127.0.0.1", ranks_per_server=2)
+        # The servers must report that tp_size; the collectives wait longer than the HTTP calls beside them.
+        assert engine.engine.pool.expected_tp_size == 2
+        assert engine.sink.collective_timeout_s > engine.engine.config.admin_timeout_s
     engine.close()
 
 

@@ -341,7 +341,7 @@ def _distributed_worker(rank: int, world_size: int, tmp_dir: str) -> dict[str, A
     with Fleet(tmp, flags, max_restarts=1, probe_timeout_s=2.0, max_failed_probes=5) as fleet:
         client = SGLangEngine.attach(fleet.urls, config=_engine_config(max_server_failures=1))
         sink = SGLangWeights(client.pool, update_group=UpdateGroupSettings(
-            backend="gloo", master_address="127.0.0.1", ranks_per_server=1, timeout_s=30.0))
+            backend="gloo", master_address="127.0.0.1", ranks_per_server=1))
         engine = DistributedSyncedEngine(client, sink=sink, bucket_bytes=1 << 20)
         engine.consume(iter(_version_buckets(1)), version=1)
         first_pid = fleet.supervisor.pids[1]
@@ -381,8 +381,11 @@ def test_a_restarted_server_rejoins_a_new_update_group_before_it_serves(tmp_path
     assert outcome["stale"]["rollout/servers_stale"] == 1.0 and outcome["stale"]["rollout/servers_live"] == 1.0
     assert outcome["equal"] and outcome["live"] == outcome["urls"]
     paths = outcome["paths"]
-    assert paths[0] == "/init_weights_update_group" and "/generate" in paths
-    assert paths.index("/end_weight_update") < paths.index("/generate")
+    # Taken back only after a session it might still hold was closed (none was: SGLang refuses the close);
+    # at the next sync its session opened first, then it joined the new group.
+    assert paths[:3] == ["/end_weight_update", "/begin_weight_update", "/init_weights_update_group"]
+    session = paths[1:]
+    assert "/generate" in session and session.index("/end_weight_update") < session.index("/generate")
     (init, first), (destroy, destroyed), (again, second) = outcome["survivor"]
     assert (init, destroy, again) == ("/init_weights_update_group", "/destroy_weights_update_group",
                                       "/init_weights_update_group")

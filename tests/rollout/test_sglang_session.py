@@ -50,7 +50,7 @@ def test_the_fake_server_enforces_the_session(tmp_path: Path) -> None:
 
 def _sink(engine: SGLangEngine) -> SGLangWeights:
     return SGLangWeights(engine.pool, update_group=UpdateGroupSettings(
-        backend="gloo", master_address="127.0.0.1", ranks_per_server=1, timeout_s=30.0))
+        backend="gloo", master_address="127.0.0.1", ranks_per_server=1))
 
 
 @pytest.mark.timeout(60)
@@ -71,12 +71,13 @@ def test_streamed_updates_run_inside_a_session_and_disk_loads_need_none(tmp_path
         assert engine.weight_version == 2 and len(engine.pool.live_servers) == 2
         offsets = []
         for server in servers:
+            # The session opens first; only then does the server join the group.
             assert _admin_paths(server) == [
-                "/update_weights_from_disk", "/flush_cache", "/init_weights_update_group", "/begin_weight_update",
+                "/update_weights_from_disk", "/flush_cache", "/begin_weight_update", "/init_weights_update_group",
                 "/update_weights_from_distributed", "/update_weights_from_distributed", "/end_weight_update",
                 "/flush_cache",
             ]
-            offsets.append(server.requests()[2]["body"]["rank_offset"])
+            offsets.append(server.requests()[3]["body"]["rank_offset"])
             received = server.weights()
             assert torch.equal(received["model.norm.weight"], norm) and torch.equal(received["model.bias"], bias)
         assert offsets == [1, 2]
@@ -94,7 +95,7 @@ def test_an_incomplete_update_closes_the_session_and_keeps_the_version(tmp_path:
         sink.begin_update(version=1)
         sink.end_update(version=1, completed=False)
         assert engine.weight_version == 0
-        assert _admin_paths(servers[0]) == ["/init_weights_update_group", "/begin_weight_update", "/end_weight_update"]
+        assert _admin_paths(servers[0]) == ["/begin_weight_update", "/init_weights_update_group", "/end_weight_update"]
         # The session was closed: the next update opens one again, in the group already formed.
         sink.begin_update(version=1)
         sink.send_bucket([("model.norm.weight", torch.zeros(4))], version=1)

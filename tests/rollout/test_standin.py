@@ -111,6 +111,8 @@ def test_generate_keeps_sglangs_contract_and_its_logprobs_are_the_models(server,
     assert _get(url, "/health_generate")[0] == 200
     status, info = 200, json.loads(_get(url, "/model_info")[1])
     assert info["weight_version"] == "default"
+    # The one rank it plays in an update group, where the client checks rollout.server_tensor_parallel.
+    assert api.parse_server_info_tp_size(json.loads(_get(url, api.SERVER_INFO_PATH)[1])) == 1
 
 
 def test_a_disk_update_changes_what_it_generates(server, models) -> None:

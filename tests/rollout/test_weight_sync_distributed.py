@@ -3,9 +3,9 @@ trainer's gloo update group and receive every bucket by broadcast (``tests.rollo
 every request validated against SGLang's own structs).
 
 Several syncs with training in between leave each server bit-equal to the trainer. Then one
-server dies when a bucket of the next sync is announced: that sync fails with one
-``RolloutError``, and the sync after it forms a new group with the surviving server and
-brings it back to bit equality.
+server dies when a bucket of the next sync is announced: that sync drops it, forms a new group
+with the surviving server, sends the bucket again and finishes, leaving the survivor bit-equal;
+so does the sync after it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _worker(rank, world_size, tmp_dir):
         client = SGLangEngine.attach([s.url for s in servers],
                                      config=SGLangClientConfig(admin_timeout_s=60.0, show_progress=False))
         sink = SGLangWeights(client.pool, update_group=UpdateGroupSettings(
-            backend="gloo", master_address="127.0.0.1", ranks_per_server=1, timeout_s=60.0))
+            backend="gloo", master_address="127.0.0.1", ranks_per_server=1))
         engine = DistributedSyncedEngine(client, sink=sink, bucket_bytes=BUCKET_BYTES)
 
         def matches(server) -> bool:
@@ -61,28 +61,31 @@ def _worker(rank, world_size, tmp_dir):
             failure = None
         except RolloutError as error:
             failure = str(error)
+        survived = matches(servers[0])
+        actor.train_step(_batch(), CrossEntropyLoss())
         sync_actor_to_engine(actor, engine, version=num_syncs + 2)
         recovered = matches(servers[0])
         requests = [[r["path"] for r in server.requests()] for server in servers]
-        return {"num_buckets": num_buckets, "synced": synced, "failure": failure, "recovered": recovered,
-                "live": client.pool.live_servers, "urls": [s.url for s in servers], "version": client.weight_version,
-                "requests": requests, "second_exit": servers[1].process.poll()}
+        return {"num_buckets": num_buckets, "synced": synced, "failure": failure, "survived": survived,
+                "recovered": recovered, "live": client.pool.live_servers, "urls": [s.url for s in servers],
+                "version": client.weight_version, "requests": requests, "second_exit": servers[1].process.poll()}
     finally:
         for server in servers:
             server.kill()
 
 
 @pytest.mark.slow
-def test_distributed_sync_bit_equal_and_recovers_after_a_server_dies(tmp_path):
+def test_distributed_sync_bit_equal_and_finishes_without_a_server_that_dies(tmp_path):
     outcome = run_distributed(_worker, world_size=1, args=(str(tmp_path),), timeout_s=240.0)[0]
     assert outcome["num_buckets"] >= 4  # several buckets per sync
     assert outcome["synced"] == [[True, True]] * 3
-    # One clear error naming the transport and what happens next.
-    assert outcome["failure"] is not None and "update group failed" in outcome["failure"]
+    # The sync that lost a server finished with the other: no error, the survivor bit-equal.
+    assert outcome["failure"] is None and outcome["survived"]
     assert outcome["second_exit"] == 3
     assert outcome["recovered"] and outcome["live"] == outcome["urls"][:1] and outcome["version"] == 5
     first = outcome["requests"][0]
-    # The group was formed once, and once more after the failure; every bucket ran inside a session.
+    # The group was formed once, and once more in the sync that lost a server; every bucket ran inside a session,
+    # and the bucket the failure interrupted was sent again.
     assert first.count("/init_weights_update_group") == 2
     assert first.count("/begin_weight_update") == first.count("/end_weight_update") == 5
-    assert first.count("/update_weights_from_distributed") >= 4 * outcome["num_buckets"] + 1
+    assert first.count("/update_weights_from_distributed") == 5 * outcome["num_buckets"] + 1

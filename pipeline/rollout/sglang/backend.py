@@ -44,10 +44,11 @@ def trainer_engine(cfg: RolloutConfig, *, spec: ModelSpec, tokenizer: Any,  # no
     bucket_bytes = cfg.sync_bucket_mb * MB
     engine = SGLangEngine(cfg.servers, config=SGLangClientConfig.from_rollout(cfg))
     if cfg.sync == "distributed":
+        # Its collective timeout follows the client's admin timeout (weights.collective_timeout_s); each
+        # server's tp_size is checked against server_tensor_parallel at the first contact.
         group = UpdateGroupSettings(backend="nccl" if torch.cuda.is_available() else "gloo",
                                     master_address=update_group_address(cfg.servers),
-                                    ranks_per_server=cfg.server_tensor_parallel,
-                                    timeout_s=engine.config.admin_timeout_s)
+                                    ranks_per_server=cfg.server_tensor_parallel)
         return DistributedSyncedEngine(engine, sink=SGLangWeights(engine.pool, update_group=group),
                                        bucket_bytes=bucket_bytes)
     return DiskSyncedEngine(engine, sink=SGLangWeights(engine.pool), weights_dir=cfg.weights_dir, spec=spec,

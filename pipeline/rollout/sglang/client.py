@@ -63,6 +63,9 @@ class SGLangClientConfig:
     max_server_failures: int = 0
     recovery_timeout_s: float = 1800.0
     min_servers: int = 1
+    # Where the client leases a server while it loads weights into it, so the server's supervisor does not
+    # take its failing health probes for a hang (``pipeline.rollout.leases``); None: no leases.
+    load_leases_dir: str | None = None
 
     @classmethod
     def from_rollout(cls, rollout: RolloutConfig, **overrides: Any) -> SGLangClientConfig:
@@ -73,8 +76,12 @@ class SGLangClientConfig:
         carries at most ``max_samples_per_request`` sequences (fewer when a server runs fewer at once),
         so ``max_in_flight`` calls never hold more than the limit's sequences, nor a server more than
         its ``--max-running-requests``.
+
+        The weight-load leases go into ``rollout.weights_dir`` (``leases.load_leases_dir``), the folder
+        trainer and servers share; without one there are none.
         """
         from pipeline.config import rollout_in_flight_limit
+        from pipeline.rollout.leases import load_leases_dir
 
         limit = rollout_in_flight_limit(rollout, num_servers=len(rollout.servers))
         samples = overrides.pop("max_samples_per_request", DEFAULT_SAMPLES_PER_REQUEST)
@@ -85,6 +92,7 @@ class SGLangClientConfig:
             max_server_failures=rollout.max_server_failures, recovery_timeout_s=rollout.server_recovery_timeout_s,
             min_servers=rollout.min_servers, max_samples_per_request=samples,
             max_in_flight=limit.sequences // samples, max_in_flight_per_server=limit.per_server // samples,
+            load_leases_dir=None if rollout.weights_dir is None else str(load_leases_dir(rollout.weights_dir)),
             **overrides,
         )
 

@@ -29,7 +29,9 @@ The servers (launched here or attached to, their health and recovery) are a ``Se
   dropped within seconds instead of after ``request_timeout_s`` (which must be long
   enough for a full reasoning-length generation).
 * With ``max_server_failures`` > 0 the call starts with one pass over the servers
-  (``ServerPool.check``) and gives every down server a recovery task while it runs.
+  (``ServerPool.check``) and gives every down server a recovery task while it runs. A server
+  contacted for the first time (or again after a failure) must report the update group's
+  ``tp_size`` when one is expected (``ServerPool.check_tensor_parallel``).
 * No live server left, or the optional ``batch_timeout_s`` passed: ``RolloutError``.
   The batch never hangs: every wait above is bounded.
 
@@ -225,6 +227,9 @@ class _Batch:
             # Servers may come back: one that restarted since the last batch must not serve its launch
             # weights. (Without recovery its first answer in another version retires it; nothing to check.)
             await self.pool.check(self.client)
+        # The first contact with each server: a wrong rollout.server_tensor_parallel fails here, not at the
+        # first weight sync after a whole step of generation.
+        await self.pool.check_tensor_parallel(self.client, self.pool.live())
         watchdog = asyncio.create_task(self._watchdog()) if cfg.watchdog_interval_s is not None else None
         try:
             while self.pending or self.tasks:

@@ -35,6 +35,12 @@ relies on, from SGLang 0.5.23:
   when that gets no answer within ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s), so it sees a hung
   scheduler behind a live HTTP front end. A stopped process answers neither. ``GET
   /model_info`` (``GetModelInfoResponse``) reports the served ``weight_version``.
+* ``GET /server_info`` (``/get_server_info`` is its deprecated alias) reports the resolved
+  ``ServerArgs`` as one flat object, ``tp_size`` among them: the GPUs of the server, each of
+  which joins an update group as rank ``rank_offset + tp_rank``.
+* No endpoint aborts a weight-update session: ``/end_weight_update`` closes it, whatever was
+  loaded in it. A session left open (its client died, or gave up on the server) refuses every
+  later ``/begin_weight_update`` until it is closed.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ __all__ = [
     "launch_command",
     "parse_generate_response",
     "parse_model_info_version",
+    "parse_server_info_tp_size",
     "parse_update_response",
     "parse_weight_version",
     "sample_seed",
@@ -74,6 +81,7 @@ GENERATE_PATH = "/generate"
 HEALTH_PATH = "/health"
 HEALTH_GENERATE_PATH = "/health_generate"
 MODEL_INFO_PATH = "/model_info"
+SERVER_INFO_PATH = "/server_info"
 FLUSH_CACHE_PATH = "/flush_cache"
 UPDATE_FROM_DISK_PATH = "/update_weights_from_disk"
 UPDATE_FROM_DISTRIBUTED_PATH = "/update_weights_from_distributed"
@@ -391,3 +399,11 @@ def parse_model_info_version(payload: Any, *, initial_version: int, current_vers
         raise MalformedResponse(f"/model_info must report weight_version as a string, got {payload!r}")
     return parse_weight_version(payload["weight_version"], initial_version=initial_version,
                                 current_version=current_version)
+
+
+def parse_server_info_tp_size(payload: Any) -> int:
+    """The ``tp_size`` a ``/server_info`` answer reports; an answer without a positive integer one is malformed."""
+    tp_size = payload.get("tp_size") if isinstance(payload, dict) else None
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise MalformedResponse(f"/server_info must report tp_size as a positive integer, got {tp_size!r}")
+    return tp_size

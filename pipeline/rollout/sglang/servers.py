@@ -15,29 +15,44 @@ recovery task polls its ``/health``; once it answers, ``/model_info`` must repor
 weight version. A restarted server reports its launch weights, so it first loads the newest
 folder the weights came from (``disk_source``) again; after a streamed update the client
 cannot resend the weights itself, and the server waits as *stale* until the next update,
-which includes it (a new update group). Only then is it live. A batch starts with one pass of
+which includes it (a new update group). A server dropped in the middle of a streamed update
+holds part of it (``Server.partial_weights``), whatever version it reports (SGLang relabels its
+weights at every bucket): it is taken back only after a full update too. Before a recovered
+server is taken back, a weight-update session it may still hold is closed (SGLang refuses every
+later update while one is open). Only then is it live. A batch starts with one pass of
 that check over every server (``check``), so a server that restarted between two steps never
 answers a request with its launch weights. Each failure counts; the one after
 ``max_server_failures``, or ``recovery_timeout_s`` without recovery, *retires* the server for
 good (one ``error`` log line, ``metrics()["rollout/servers_retired"]``), and fewer than
 ``min_servers`` servers not retired is a ``RolloutError``. With ``max_server_failures=0`` the
 first failure retires.
+
+While the client has a server load weights (from disk, here or in ``weights``, or a streamed
+update's session) it leases the server (``loading``, ``pipeline.rollout.leases``), so the
+supervisor of the server's node does not take its failing health probes for a hang.
+
+With ``expected_tp_size`` set (the update group's ranks per server), every server's
+``/server_info`` must report that ``tp_size`` the first time it is contacted (and again after each
+failure: a restart): else ``ConfigError`` naming ``rollout.server_tensor_parallel``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
 
 import httpx
 
+from pipeline.configlib import ConfigError
 from pipeline.rollout.sglang import protocol
 from pipeline.rollout.sglang.client import (
     Rejected,
@@ -48,6 +63,7 @@ from pipeline.rollout.sglang.client import (
     parse_json,
     run_sync,
 )
+from pipeline.rollout.leases import WeightLoadLeases
 from pipeline.rollout.types import RolloutError
 
 __all__ = ["SGLangServerProcess", "Server", "ServerPool"]
@@ -124,6 +140,8 @@ class Server:
     dead_reason: str = ""  # why it is not live
     failures: int = 0  # times it went down
     down_since: float = 0.0  # time.monotonic() of its last failure
+    # Dropped in the middle of a streamed update: it holds part of it, whatever version it reports.
+    partial_weights: bool = False
 
     @property
     def dead(self) -> bool:
@@ -166,6 +184,10 @@ class ServerPool:
         # bring a restarted server up to date).
         self.disk_source: str | None = None
         self.num_recoveries = 0
+        self.leases = None if config.load_leases_dir is None else WeightLoadLeases(config.load_leases_dir)
+        # The tp_size every server must report (the update group's ranks per server); None: not checked.
+        self.expected_tp_size: int | None = None
+        self._tp_checked: set[tuple[str, int]] = set()  # (URL, failures) of the servers that reported it
 
     def close(self) -> None:
         """Stop the servers this client launched (attached servers are left running)."""
@@ -243,6 +265,7 @@ class ServerPool:
     def promote(self, updated: Sequence[Server], *, version: int) -> None:
         """Stale servers that took a full weight update serve again."""
         for server in updated:
+            server.partial_weights = False
             if server.state == "stale":
                 server.state = "live"
                 self.num_recoveries += 1
@@ -257,6 +280,31 @@ class ServerPool:
                 f"only {remaining} of {n} SGLang servers left")
             raise RolloutError(f"{left}, below rollout.min_servers={self.config.min_servers}; "
                                f"retired: {self.retired_servers}")
+
+    # ------------------------------------------------------------ weight-load leases
+
+    @property
+    def lease_s(self) -> float:
+        """How long a lease lasts: the longest the client keeps asking one server to load (all its attempts)."""
+        return self.config.admin_timeout_s * self.config.max_attempts
+
+    def hold_leases(self, servers: Sequence[Server]) -> None:
+        """Lease ``servers`` for ``lease_s`` from now (renews); nothing without a lease folder."""
+        if self.leases is not None:
+            self.leases.hold([server.url for server in servers], seconds=self.lease_s)
+
+    def release_leases(self, servers: Sequence[Server]) -> None:
+        if self.leases is not None:
+            self.leases.release([server.url for server in servers])
+
+    @contextlib.contextmanager
+    def loading(self, servers: Sequence[Server]) -> Iterator[None]:
+        """The servers hold a lease while the block runs (they load weights the client asked for)."""
+        self.hold_leases(servers)
+        try:
+            yield
+        finally:
+            self.release_leases(servers)
 
     # ------------------------------------------------------- health and recovery
 
@@ -280,19 +328,22 @@ class ServerPool:
         cfg = self.config
         try:
             await call(client, "GET", server.url + cfg.health_path, timeout_s=cfg.probe_timeout_s)
+            await self.close_stale_session(client, server)
             version = await self.served_version(client, server)
-            if version != self.weight_version and self.disk_source is not None:
+            if (version != self.weight_version or server.partial_weights) and self.disk_source is not None:
                 folder = self.disk_source
                 body = protocol.update_weights_from_disk_body(folder, version=self.weight_version)
-                answer = await call(client, "POST", server.url + protocol.UPDATE_FROM_DISK_PATH, body=body,
-                                       timeout_s=cfg.admin_timeout_s)
+                with self.loading([server]):
+                    answer = await call(client, "POST", server.url + protocol.UPDATE_FROM_DISK_PATH, body=body,
+                                        timeout_s=cfg.admin_timeout_s)
                 failure = answer_failure(answer)
                 if failure is not None:
                     raise ServerFault(f"re-loading {folder}: {failure}")
+                server.partial_weights = False
                 version = await self.served_version(client, server)
         except (ServerFault, Rejected) as error:
             return str(error)
-        if version == self.weight_version:
+        if version == self.weight_version and not server.partial_weights:
             server.state = "live"
             server.consecutive_failures = 0
             server.available_at = 0.0
@@ -302,11 +353,68 @@ class ServerPool:
             return None
         if self.disk_source is None:
             server.state = "stale"
-            server.dead_reason = (f"serves weight version {version}, not {self.weight_version}; the next weight "
-                                  "update brings it back")
+            behind = ("holds part of a weight update that did not complete on it" if server.partial_weights
+                      else f"serves weight version {version}, not {self.weight_version}")
+            server.dead_reason = f"{behind}; the next weight update brings it back"
             logger.warning("SGLang server %s is healthy again but %s", server.url, server.dead_reason)
             return None
         return f"still serves weight version {version} after re-loading, not {self.weight_version}"
+
+    async def close_stale_session(self, client: httpx.AsyncClient, server: Server) -> None:
+        """Close a weight-update session ``server`` may still hold before it is taken back.
+
+        It holds one when it was dropped in the middle of a streamed update (its part of the update
+        timed out, yet the process lived on) or a trainer died mid-update on it; SGLang would refuse
+        every later ``/begin_weight_update``. Usually none is open, and SGLang refuses the close
+        (HTTP 400): nothing to do. A fault propagates (the recovery tries again later).
+        """
+        try:
+            answer = await call(client, "POST", server.url + protocol.END_WEIGHT_UPDATE_PATH,
+                                body=protocol.end_weight_update_body(), timeout_s=self.config.admin_timeout_s)
+        except Rejected:
+            return
+        if answer_failure(answer) is None:
+            logger.warning("closed the weight-update session SGLang server %s still held", server.url)
+
+    async def check_tensor_parallel(self, client: httpx.AsyncClient, servers: Sequence[Server]) -> None:
+        """Each of ``servers`` not checked since its last failure must report ``expected_tp_size`` at ``/server_info``.
+
+        A mismatch is the user's: ``ConfigError`` naming ``rollout.server_tensor_parallel``, before any
+        update group is formed with the wrong ranks (it would wait for ranks that never join, or give
+        two servers one rank). An unreachable server is checked when it answers again; a server
+        without the endpoint or the field is a ``RolloutError``. One GET per server and restart.
+        """
+        expected = self.expected_tp_size
+        todo = [s for s in servers if expected is not None and (s.url, s.failures) not in self._tp_checked]
+        if not todo:
+            return
+        outcomes = await asyncio.gather(
+            *(call(client, "GET", s.url + protocol.SERVER_INFO_PATH, timeout_s=self.config.probe_timeout_s)
+              for s in todo),
+            return_exceptions=True,
+        )
+        mismatched: list[str] = []
+        for server, outcome in zip(todo, outcomes):
+            if isinstance(outcome, ServerFault):
+                continue
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Rejected):
+                raise outcome
+            try:
+                if isinstance(outcome, Rejected):
+                    raise protocol.MalformedResponse(str(outcome))
+                tp_size = protocol.parse_server_info_tp_size(parse_json(outcome))
+            except (protocol.MalformedResponse, ServerFault) as error:
+                raise RolloutError(f"{server.url}{protocol.SERVER_INFO_PATH}: cannot check the server's tp_size "
+                                   f"against rollout.server_tensor_parallel={expected}: {error}") from error
+            if tp_size == expected:
+                self._tp_checked.add((server.url, server.failures))
+            else:
+                mismatched.append(f"{server.url} runs tp_size={tp_size}")
+        if mismatched:
+            raise ConfigError(
+                f"rollout.server_tensor_parallel={expected} (each server's ranks in the weight update group), but "
+                f"{'; '.join(mismatched)}: set it to the servers' --tp-size (a campaign's "
+                f"resources.rollout.tensor_parallel)")
 
     def recovery_overdue(self, server: Server, last_error: str) -> bool:
         """Retire a down server once ``recovery_timeout_s`` since its failure passed."""
@@ -349,13 +457,14 @@ class ServerPool:
                 self.recovery_overdue(server, why)
 
     def check_servers(self, *, before_update: bool = False) -> None:
-        """``check`` without waiting for anything else: a streamed weight update runs it first
-        (``before_update``) so that a restarted server is not taken for a member of the update group.
-        ``RolloutError`` once fewer than ``min_servers`` are left."""
+        """``check`` without waiting for anything else, then ``check_tensor_parallel``: a streamed weight
+        update runs it first (``before_update``) so that a restarted server is not taken for a member of
+        the update group. ``RolloutError`` once fewer than ``min_servers`` are left."""
 
         async def run() -> None:
             async with self.client() as client:
                 await self.check(client, before_update=before_update)
+                await self.check_tensor_parallel(client, self.syncable())
 
         run_sync(run())
         self.check_enough()
