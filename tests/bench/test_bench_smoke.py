@@ -34,6 +34,7 @@ SMOKES = {
     "actor": "test_bench_reports.py::test_actor_as_a_module",
     "algorithms": "test_bench_reports.py::test_algorithms",
     "bootstrap_seeds": "test_bench_smoke.py::test_bootstrap_seeds_trains_and_scores_one_cell",
+    "chunks": "test_race.py::test_tiny_race_writes_results_and_resumes",  # trains, resumes and scores in chunks
     "default_race": "test_bench_smoke.py::test_default_race_runs_one_baseline",
     "gpu_step": "test_gpu_step.py::test_gpu_step_measures_every_component_against_the_plan",
     "grading": "test_bench_reports.py::test_grading",
@@ -49,8 +50,8 @@ SMOKES = {
     "trl_compare": ("test_trl_compare.py::"
                     "test_every_prompt_row_encodes_to_winnows_prompt_ids_through_the_exported_tokenizer"),
 }
-# Modules with a command line (``report`` is the helper the others write with).
-COMMANDS = sorted(set(SMOKES) - {"report"})
+# Modules with a command line (``report`` and ``chunks`` are helpers the others write and train with).
+COMMANDS = sorted(set(SMOKES) - {"report", "chunks"})
 
 # RL runs at toy size: a few short prompts, small groups, a 2-problem evaluation.
 RL_OVERRIDES = ['data.train=["arith?difficulty=3&size=200"]', "prompts_per_step=4", "group_size=4",
