@@ -28,12 +28,11 @@ SLURM_TESTS = Path(__file__).resolve().parent / "slurm"
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under xdist: the SLURM tests as one group, the in-process rehearsals as another, then files with a ``slow`` test, then the rest.
+    """Under xdist: the SLURM tests as one group, then files with a ``slow`` test, then the rest.
 
     The tests under ``tests/slurm`` share the session's dev cluster (a session fixture, one per
     worker, and one slurmd per machine): ``--dist loadgroup`` keeps them on one worker, and they go
-    first, the SLURM rehearsal first of all, since that worker's queue is the longest. The
-    in-process rehearsals come next, together on a second worker. Then
+    first, the SLURM rehearsal first of all, since that worker's queue is the longest. Then
     ``--dist loadfile``/``load`` hand out files in collection order; a 90-s end-to-end file
     handed out last runs alone on one worker while the other idles, which is the whole tail of
     the run. Every worker sorts the same way, as xdist requires of their collections.
@@ -43,10 +42,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     slurm = {item for item in items if SLURM_TESTS in item.path.parents}
     for item in slurm:
         item.add_marker(pytest.mark.xdist_group("slurm-cluster"))
-    for item in items:
-        if item not in slurm and item.get_closest_marker("rehearsal") is not None:
-            # One after the other on one worker: each runs a process tree as wide as the recipe's ranks.
-            item.add_marker(pytest.mark.xdist_group("local-rehearsals"))
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     # stable sort; False sorts first
     items.sort(key=lambda item: (item not in slurm, item.get_closest_marker("rehearsal") is None,

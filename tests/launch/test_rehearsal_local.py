@@ -3,9 +3,8 @@
 Qwen2.5-Math-1.5B (TP=2 trainer, Qwen2 with tied embeddings) and Llama-3.1-8B-Instruct (TP=4,
 Llama 3 RoPE scaling, 128K vocabulary, TP=2 SGLang servers rehearsed as TP-1 stand-ins), each
 from its published config; the events are played by the SLURM rehearsal of the 7B campaign.
-About 4-4.5 minutes and 160-220 CPU-seconds each on 2 cores. `make test` runs them in its second
-pass, one after the other on a worker of their own (they mostly wait on stage and server
-start-ups), beside the SLURM tests and the multi-rank ones (docs/testing.md).
+About 2.5-4 minutes and 135-200 CPU-seconds each on 2 cores: `make test-rehearsals`, not `make test`
+(in its second pass the suite took 26.9-27.8 minutes on 2 cores; docs/testing.md).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import pytest
 
 from pipeline.cli import main as winnow
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.rehearsal, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.rehearsal, pytest.mark.timeout(1800)]
 
 
 @pytest.mark.parametrize("recipe", ["qwen25-math-1.5b", "llama31-8b"])
