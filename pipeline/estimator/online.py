@@ -9,11 +9,9 @@ advantage is zero). What the paper leaves open and winnow chooses:
   takes ``minibatches`` AdamW steps on ``minibatch_size`` prompts: the first minibatch holds
   the step's new observations (filled up with older ones), the others are drawn uniformly from
   the buffer, so one step sees minibatches × minibatch_size labels instead of its ≤ B prompts.
-  Cost at 7B on 8×H100: the estimator lives on each rank's CPU and every rank does the same
-  work (no collective). With MiniLM (22 M parameters) the defaults are 4 × 32 questions forward
-  and backward plus the scoring of 2B candidates a step: about 1.4 s a step on one CPU thread
-  for short questions (40 steps of the CPU pool's arith took 55 s), beside the minutes of a 7B
-  step's generation; the buffer is 48 bytes per entry (192 KiB at 4096).
+  Cost: one ``OnlineEstimator`` per run, on the rank that samples (``pipeline.rl.sampling.DepoFilter``
+  states its memory and time at the staged H100 defaults); the buffer is 48 bytes per entry
+  (192 KiB at 4096), on the CPU.
 * **Warm start.** ``algorithm.depo.estimator_dir`` loads the estimator `winnow train-estimator`
   fitted offline on the curation's k samples per prompt; the online steps continue from it.
 * **Calibration.** The filter drops on P(all G rewards equal) = σ(a·Ẑ + b), a Platt scaling
@@ -22,15 +20,18 @@ advantage is zero). What the paper leaves open and winnow chooses:
   pairs, the predictions the filter actually acts on. Until ``MIN_CALIBRATION_PAIRS`` such
   pairs exist the head's own probability is used (a = 1, b = 0).
 
-Sampling of minibatches uses a generator seeded from (seed, step), and the buffer, the
-calibration and the trainer round-trip through ``state_dict``: a resumed run trains exactly as
-an uninterrupted one.
+Sampling of minibatches uses a generator seeded from (seed, step), the updates' dropout masks a
+stream of their own seeded from (seed, step) too (``own_random_stream``: the process's default
+generators are the actor's), and the buffer, the calibration and the trainer round-trip through
+``state_dict``: a resumed run trains exactly as an uninterrupted one, wherever the estimator runs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +42,38 @@ from pipeline.estimator.model import DifficultyEstimator
 from pipeline.estimator.replay import ReplayBuffer
 from pipeline.estimator.train import EstimatorTrainer
 
-__all__ = ["MIN_CALIBRATION_PAIRS", "OnlineEstimator", "Prediction"]
+__all__ = ["MIN_CALIBRATION_PAIRS", "OnlineEstimator", "Prediction", "own_random_stream", "stream_seed"]
 
 # Platt's two parameters from fewer labelled predictions than this are noise: below it the
 # head's own probability stands (it is BCE-trained, a proper scoring rule, so not arbitrary).
 MIN_CALIBRATION_PAIRS = 16
 _REPLAY_PREFIX = "replay."
+
+
+def stream_seed(name: str, *parts: int) -> int:
+    """A 63-bit seed for the random stream ``name`` at ``parts`` (e.g. seed, step): differently named
+    streams never share a seed, unlike linear formulas of (seed, step)."""
+    digest = hashlib.sha256(":".join([name, *map(str, parts)]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@contextmanager
+def own_random_stream(seed: int, device: torch.device) -> Iterator[None]:
+    """Run the block on default generators seeded with ``seed`` and restore them after it.
+
+    For the estimator's dropout: the process's default generators belong to the actor, and megatron
+    needs the default CUDA generator equal on every tensor-parallel rank (dropout outside its
+    tensor-parallel regions), so a model trained on one rank must not advance it. Only the CPU
+    generator and, on a GPU, that device's are forked (``fork_rng`` would otherwise touch every
+    visible GPU); no cost beyond copying their states (a few KiB).
+    """
+    on_gpu = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if on_gpu else [], device_type="cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        if on_gpu:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,19 +144,20 @@ class OnlineEstimator:
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         last: dict[str, float] = {}
-        for index in range(self.minibatches):
-            order = torch.randperm(size, generator=generator)
-            if index == 0 and fresh.numel():
-                order = torch.cat([fresh, order[~torch.isin(order, fresh)]])
-            rows = order[: self.minibatch_size]
-            batch = self.buffer.get(rows)
-            texts = [self.texts[i] for i in batch["prompt_index"].tolist()]
-            last = self.trainer.update(texts, batch["pass_rate"].float(), batch["question_logprob"],
-                                       batch["zero_variance_target"])
-            for name, value in last.items():
-                if math.isfinite(value):
-                    sums[name] = sums.get(name, 0.0) + value
-                    counts[name] = counts.get(name, 0) + 1
+        with own_random_stream(stream_seed("depo-estimator-dropout", self.seed, step), self.model.device):
+            for index in range(self.minibatches):
+                order = torch.randperm(size, generator=generator)
+                if index == 0 and fresh.numel():
+                    order = torch.cat([fresh, order[~torch.isin(order, fresh)]])
+                rows = order[: self.minibatch_size]
+                batch = self.buffer.get(rows)
+                texts = [self.texts[i] for i in batch["prompt_index"].tolist()]
+                last = self.trainer.update(texts, batch["pass_rate"].float(), batch["question_logprob"],
+                                           batch["zero_variance_target"])
+                for name, value in last.items():
+                    if math.isfinite(value):
+                        sums[name] = sums.get(name, 0.0) + value
+                        counts[name] = counts.get(name, 0) + 1
         metrics = {name: sums[name] / counts[name] for name in sums}
         metrics["estimator/num_updates"] = last["estimator/num_updates"]
         return metrics

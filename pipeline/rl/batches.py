@@ -116,10 +116,13 @@ class GenerateAhead(BatchSource):
     """``max_staleness=1``: step t+1's batch is generated while step t updates.
 
     Global rank 0 runs the sampler (its rounds, its grading) on one worker thread, against
-    the engine in its own process; every rank plans the step (filter, budgets) itself, and
-    the finished batch reaches the other ranks, with the stream position the sampler's extra
-    draws left, at ``collect``. The worker's only shared state is the prompt stream (DAPO's
-    top-up draws) and the grading pool, which the loop leaves alone until ``collect``. The
+    the engine in its own process; every rank plans the step (filter, budgets) on its main
+    thread, and the finished batch reaches the other ranks, with the stream position the
+    sampler's extra draws left, at ``collect``. Planning holds a collective (DEPO's decision,
+    made on rank 0, is broadcast by the filter), so every rank plans at the same point: after
+    the push, which collects first, so no worker runs then and the worker itself makes no
+    collective call. The worker's only shared state is the prompt stream (DAPO's top-up draws)
+    and the grading pool, which the loop leaves alone until ``collect``. The
     engine's weights change only in ``push``, which first collects, so a batch is generated
     with one version from its first round to its last; the loop pushes the actor's weights
     right before launching the next batch, so that version is one update behind the step

@@ -42,6 +42,11 @@ def float_metrics(metrics: dict[str, Any]) -> Metrics:
     return {name: float(value) for name, value in metrics.items()}
 
 
+def on_one_rank(payload: Any) -> Any:
+    """``MethodSetting.broadcast_from_sampling_rank`` of a one-rank run: the payload is already everywhere."""
+    return payload
+
+
 @dataclass(slots=True)
 class MethodSetting:
     """What a method may know about the run beyond its own config section."""
@@ -54,6 +59,14 @@ class MethodSetting:
     texts: list[str] = field(default_factory=list)  # every training prompt's problem text, by dataset index
     stats: PromptStatsStore | None = None
     seed: int = 0
+    # Where a method that keeps a model of its own (DEPO's estimator) runs it: only on the rank that
+    # samples (global rank 0, which drives the engine), on ``sampling_device``; every other rank
+    # receives its decisions through ``broadcast_from_sampling_rank``, a collective that every rank
+    # calls at the same point (the run's ``broadcast_from_rank0``; the identity at one rank). Parallelism
+    # enters the methods here only: they never import torch.distributed.
+    is_sampling_rank: bool = True
+    sampling_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    broadcast_from_sampling_rank: Callable[[Any], Any] = on_one_rank
     # Objects several methods share (D³S's N_s/K schedule drives both sample and token
     # selection): built once per run by ``shared`` and checkpointed once under their name.
     shared_components: dict[str, Any] = field(default_factory=dict)

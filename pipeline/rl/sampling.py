@@ -23,7 +23,9 @@ the run's ``MethodSetting``, with these calls —
 Their decisions are pure functions of the tensors they are given (the algorithm library does
 the arithmetic) and whatever state they keep round-trips through ``state_dict``. The
 per-prompt counts they read live in the run's ``PromptStatsStore``, so there is one source
-of truth for "how often was this prompt solved".
+of truth for "how often was this prompt solved". Every rank builds and calls them alike, except
+that a method with a model of its own (DEPO's estimator) runs it on the rank that samples only and
+broadcasts its decision to the others (``MethodSetting.is_sampling_rank``).
 """
 
 from __future__ import annotations
@@ -120,6 +122,31 @@ class DepoFilter(Method):
     Each step's decisions (candidates, Ẑ, p̂, would-drop, rolled) wait in ``pending`` until
     that step's ``update``: with one-step-off-policy batches the filter of step t+1 runs before
     the update of step t, and a checkpoint between them keeps both.
+
+    Placement (``MethodSetting``): only the rank that samples (global rank 0) builds, runs and
+    trains the estimator, on its device (``sampling_device``: its GPU under NCCL, the CPU under
+    gloo); it broadcasts each step's ``SelectedPrompts``, the filter metrics and the candidates'
+    p̂ (a few KiB) to the other ranks, which hold no estimator, checkpoint none and ignore rank
+    0's state on load (the checkpoint holds rank 0's, which every rank reads). Cost at the staged
+    H100 default (``recipes.campaigns.h100_staged_rl``: B = 128, 2B = 256 candidates scored and
+    4 × 32 questions trained a step, MiniLM-L6 with 22.6 M parameters, fp32):
+
+    * memory, on that one GPU: weights 86 MiB, gradients 86 MiB, AdamW state 172 MiB, plus one
+      minibatch's activations while it trains: 473 MiB for 32 questions of 68 tokens, 3.0 GiB at
+      MiniLM's 256-token limit (saved tensors measured with the CPU's eager attention, which keeps
+      the T × T probabilities): 0.8 to 3.4 GiB beside rank 0's actor. Before, each of the 16 ranks
+      of 2 × 8 H100 held the 344 MiB of state in host memory (5.5 GiB in all) and its activations.
+    * time: 9.2e11 FLOPs a step at 68-token questions (3.5e12 at 256; ``estimator_flops``), on
+      one H100 about 0.05 s (0.17 s) at 30% of its 67 TFLOPS fp32 peak, plus a few hundredths of
+      a second of kernel launches and tokenization: a model, not measured on a GPU. Before, every
+      rank spent 8.1 s (38 s) of one CPU thread a step on it, the tiny encoder 0.12 s, measured on
+      a shared 2-core CPU by ``.venv/bin/python -m tests.estimator.step_timing --encoder minilm
+      --question-tokens 64`` (it joins problems to at least 64 tokens: 68 on average;
+      ``--question-tokens 256``; ``--encoder tiny``); the other ranks now wait for rank 0 at the
+      broadcast instead.
+
+    The estimator's dropout draws from a stream of its own (``pipeline.estimator.online``), so
+    training it on rank 0 alone moves none of the actor's random generators.
     """
 
     # A step needs groups to compare: when the filter would leave fewer prompts, the least
@@ -128,38 +155,47 @@ class DepoFilter(Method):
     _PENDING_PREFIX = "pending."
 
     def __init__(self, cfg: AlgorithmConfig, setting: MethodSetting) -> None:
+        depo = cfg.depo
+        self.cfg = depo
+        self.stats = setting.stats
+        self.seed = setting.seed
+        # The event predicted, labelled and dropped on: all of G samples equal, G the update group
+        # or (zero_variance_samples) the pool a sampler such as Ada-Seq draws before giving up.
+        self.group_size = depo.zero_variance_samples or setting.group_size
+        self.broadcast = setting.broadcast_from_sampling_rank
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        # Only the rank that samples holds an estimator; the others receive its decisions.
+        self.online = self._build_estimator(cfg, setting) if setting.is_sampling_rank else None
+
+    def _build_estimator(self, cfg: AlgorithmConfig, setting: MethodSetting) -> Any:
         from pipeline.estimator import DifficultyEstimator, EstimatorTrainer
         from pipeline.estimator.online import OnlineEstimator
 
         depo = cfg.depo
-        # Seeded apart from the global RNG: every rank builds the same estimator, and
-        # building it does not shift the actor's random stream.
-        with torch.random.fork_rng():
-            torch.manual_seed(setting.seed)
+        # Built on the CPU from a seeded CPU generator, then moved: the same weights on any device, and
+        # building it does not shift the actor's random stream (only the CPU generator is forked and
+        # seeded, so no GPU's generator is touched).
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(setting.seed)
             if depo.estimator_dir is not None:
                 model = DifficultyEstimator.load(depo.estimator_dir)
             elif depo.encoder == "minilm":
                 model = DifficultyEstimator.from_pretrained_minilm(depo.cache_dir)
             else:
                 model = DifficultyEstimator.tiny()
+        model.to(setting.sampling_device)
         lr = depo.lr if depo.lr is not None else DEPO_ONLINE_LR[model.kind]
-        # The event predicted, labelled and dropped on: all of G samples equal, G the update group
-        # or (zero_variance_samples) the pool a sampler such as Ada-Seq draws before giving up.
-        self.group_size = depo.zero_variance_samples or setting.group_size
         trainer = EstimatorTrainer(model, group_size=self.group_size, lr=lr, w_distill=depo.w_distill,
                                    w_rank=depo.w_rank, margin=depo.margin, w_zero_variance=depo.w_zero_variance)
-        self.online = OnlineEstimator(trainer, setting.texts, replay_size=depo.replay_size,
-                                      minibatches=depo.minibatches, minibatch_size=depo.minibatch_size,
-                                      calibration_window=depo.calibration_window, seed=setting.seed)
-        self.cfg = depo
-        self.stats = setting.stats
-        self.seed = setting.seed
-        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        return OnlineEstimator(trainer, setting.texts, replay_size=depo.replay_size, minibatches=depo.minibatches,
+                               minibatch_size=depo.minibatch_size, calibration_window=depo.calibration_window,
+                               seed=setting.seed)
 
     @property
     def trainer(self) -> Any:
-        """The ``EstimatorTrainer`` (its model is what the step's FLOP count charges the estimator for)."""
-        return self.online.trainer
+        """The ``EstimatorTrainer`` (its model is what the step's FLOP count charges the estimator for); None on
+        a rank that does not sample, so the estimator is charged once, by the rank that runs it."""
+        return self.online.trainer if self.online is not None else None
 
     def num_candidates(self, batch_size: int) -> int:
         return math.ceil(batch_size * self.cfg.oversample)
@@ -169,6 +205,23 @@ class DepoFilter(Method):
         return self.cfg.w_distill > 0
 
     def __call__(self, candidates: torch.Tensor, *, batch_size: int, step: int) -> tuple[SelectedPrompts, Metrics]:
+        """The step's decision, made on the rank that samples and broadcast to every rank.
+
+        A collective: every rank calls the filter at the same point of the loop
+        (``pipeline.rl.step.plan_step``). One pickled broadcast a step of the selection, the metrics
+        and the candidates' p̂: about 6 KiB for 256 candidates, a millisecond or so at 7B on 8×H100.
+        """
+        decision = self._decide(candidates, batch_size=batch_size, step=step) if self.online is not None else None
+        selected, metrics, pass_rate = self.broadcast(decision)
+        # Every rank's statistics store records the predictions, so every rank holds the same store.
+        unique, inverse = candidates.unique(return_inverse=True)
+        self.stats.set_column("estimator_prediction", prompt_ids=unique,
+                              values=torch.zeros(unique.numel(), dtype=torch.float64).scatter_(0, inverse, pass_rate))
+        return selected, metrics
+
+    def _decide(self, candidates: torch.Tensor, *, batch_size: int, step: int
+                ) -> tuple[SelectedPrompts, Metrics, torch.Tensor]:
+        """(selection, metrics, every candidate's predicted pass rate ``(C,)``) from the estimator."""
         prediction = self.online.predict(candidates)  # (C,) each
         would_drop, decision_metrics = depo_drop_decision(zero_variance_prob=prediction.zero_variance_prob,
                                                           filter_ratio=self.cfg.filter_ratio,
@@ -189,10 +242,6 @@ class DepoFilter(Method):
         kept = (~drop).nonzero().squeeze(1)[:batch_size]  # (P,)
         rolled = torch.zeros_like(drop)
         rolled[kept] = True
-        unique, inverse = candidates.unique(return_inverse=True)
-        self.stats.set_column("estimator_prediction", prompt_ids=unique,
-                              values=torch.zeros(unique.numel(), dtype=torch.float64).scatter_(
-                                  0, inverse, prediction.pass_rate))
         self.pending[step] = {"candidates": candidates.clone(), "pass_rate": prediction.pass_rate,
                               "zero_variance_logit": prediction.zero_variance_logit, "would_drop": would_drop,
                               "rolled": rolled}
@@ -205,9 +254,13 @@ class DepoFilter(Method):
             "depo/zero_variance_prob_mean": decision_metrics["depo/zero_variance_prob_mean"],
             "depo/audited": float((audited & rolled).sum()),
         }
-        return SelectedPrompts(candidates[kept], prediction.pass_rate[kept], candidates[drop]), metrics
+        selected = SelectedPrompts(candidates[kept], prediction.pass_rate[kept], candidates[drop])
+        return selected, metrics, prediction.pass_rate
 
     def update(self, end: StepEnd) -> Metrics:
+        """Train the estimator on the step's outcome (the rank that samples; nothing elsewhere)."""
+        if self.online is None:
+            return {}
         rollouts = end.pool
         record = self.pending.pop(end.step, None)
         for stale in [step for step in self.pending if step < end.step]:
@@ -285,6 +338,10 @@ class DepoFilter(Method):
         return {"depo/encoded_tokens": float(sum(self.trainer.model.num_encoded_tokens.values()))}
 
     def state_dict(self) -> dict[str, Any]:
+        """The estimator's state and the pending decisions; empty on a rank that does not sample (the
+        checkpoint holds global rank 0's, the rank that samples)."""
+        if self.online is None:
+            return {"tensors": {}, "json": {}}
         state = self.online.state_dict()
         tensors = dict(state["tensors"])
         for step, record in self.pending.items():
@@ -292,10 +349,14 @@ class DepoFilter(Method):
         return {"tensors": tensors, "json": {**state["json"], "pending_steps": sorted(self.pending)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the sampling rank's state; every rank reads the checkpoint, and the others only check
+        that it is one this version resumes (so every rank refuses an old one, none waits for the rest)."""
         meta = dict(state["json"])
         if "replay" not in meta:
             raise CheckpointError("the checkpoint's DEPO filter state predates its replay buffer and calibration; "
                                   "resume it with the winnow version that wrote it, or start a new run")
+        if self.online is None:
+            return
         steps = meta.pop("pending_steps")
         pending_tensors = {name: tensor for name, tensor in state["tensors"].items()
                            if name.startswith(self._PENDING_PREFIX)}

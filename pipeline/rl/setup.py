@@ -10,6 +10,7 @@ import logging
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from pipeline.data.templates import prompt_token_ids
 from pipeline.metrics import MetricsWriter
 from pipeline.models.spec import ModelSpec
 from pipeline.models.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
+from pipeline.parallel.rendezvous import broadcast_from_rank0
 from pipeline.rl.methods import Methods, build_methods
 from pipeline.rl.registry import MethodSetting
 from pipeline.rl.rollouts import RolloutBatch
@@ -302,9 +304,13 @@ def setup_run(cfg: RLConfig, *, policy: InitialPolicy, context, batch_source: Ca
     stats = PromptStatsStore([p.id for p in prompts], ema_decay=cfg.algorithm.ada_est.ema_decay)
     if curation is not None:
         seed_stats_from_curation(stats, curation, source=str(cfg.curation_dir))
+    # The rank that samples (the engine's, below) runs the methods' own models (DEPO's estimator) on its
+    # device (its GPU under NCCL, the CPU under gloo) and broadcasts their decisions to the other ranks.
     setting = MethodSetting(total_steps=cfg.steps, group_size=cfg.group_size, temperature=cfg.temperature,
                             vocab_size=spec.vocab_size, max_new_tokens=cfg.max_new_tokens,
-                            texts=[p.problem for p in prompts], stats=stats, seed=cfg.seed)
+                            texts=[p.problem for p in prompts], stats=stats, seed=cfg.seed,
+                            is_sampling_rank=context.rank == 0, sampling_device=context.device,
+                            broadcast_from_sampling_rank=partial(broadcast_from_rank0, world_size=context.world_size))
     methods = build_methods(cfg.algorithm, setting)
     sampling = build_sampling(cfg.algorithm, setting)
     reference = None

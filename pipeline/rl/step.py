@@ -111,7 +111,12 @@ class StepPlan:
 
 
 def plan_step(run: Run, step: int) -> StepPlan:
-    """Draw the step's candidates, filter them and give each kept prompt its budget (every rank)."""
+    """Draw the step's candidates, filter them and give each kept prompt its budget.
+
+    Collective: every rank calls it on its main thread at the same point of the loop
+    (``pipeline/rl/batches.py``), since a filter that runs a model of its own (DEPO) decides on the
+    rank that samples and broadcasts the decision to the others here.
+    """
     candidates, ended = run.stream.next(run.sampling.prompt_filter.num_candidates(run.cfg.prompts_per_step))
     selected, filter_metrics = run.sampling.prompt_filter(candidates, batch_size=run.cfg.prompts_per_step, step=step)
     budgets, budget_metrics = run.sampling.budget(selected.indices)
@@ -218,7 +223,9 @@ def policy_step_flops(cost: ForwardCost, *, pool: RolloutBatch, train: RolloutBa
 def estimator_model(run: Run) -> Any | None:
     """The difficulty estimator the run's filter, budget or sampler reads prompts with, if any: the model
     whose ``num_encoded_tokens`` (train, inference) the ledger charges. A method names it ``estimator``,
-    or holds it as its ``trainer``'s ``model`` (DEPO's ``EstimatorTrainer``)."""
+    or holds it as its ``trainer``'s ``model`` (DEPO's ``EstimatorTrainer``). Only the rank that samples
+    holds one (``MethodSetting.is_sampling_rank``), global rank 0, whose FLOP count is the one logged and
+    checkpointed: the estimator is charged once a step; the other ranks' counts leave it out."""
     for method in (run.sampling.prompt_filter, run.sampling.budget, run.sampling.sampler):
         model = getattr(method, "estimator", None) or getattr(getattr(method, "trainer", None), "model", None)
         if model is not None and hasattr(model, "num_encoded_tokens") and hasattr(model, "describe"):
