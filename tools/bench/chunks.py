@@ -23,6 +23,18 @@ def read_curve(path: Path) -> list[Point]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def reuse_or_run(path: Path, run: Callable[[], Point], *, label: str, log: Callable[[str], Any]) -> Point:
+    """A finished run's result: read from ``path`` when a previous invocation wrote it, else ``run()`` and write it."""
+    if path.is_file():
+        log(f"{label}: reusing {path}")
+        return json.loads(path.read_text())
+    log(f"{label}: running")
+    result = run()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def train_in_chunks(cfg, *, context, curve_path: Path, first_point: Callable[[], Point],
                     score: Callable[[Any, int, Point], Point], next_step: Callable[[int, Point], int | None],
                     label: str) -> list[Point]:

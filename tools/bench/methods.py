@@ -65,6 +65,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from tools.bench.chunks import reuse_or_run, train_in_chunks
+
 BOOTSTRAP_RESAMPLES = 10_000
 CONFIDENCE = 0.95
 MEASURE_DIR = "measure"
@@ -737,7 +739,6 @@ def run_arm(settings: Settings, cfg, *, run: str, seed: int, context, evaluate, 
             flops_model: StepFlopsModel) -> dict[str, Any]:
     """Train in chunks of ``eval_every`` steps, scoring each checkpoint, until the budget or the step cap;
     resumes from the newest checkpoint with the evaluations it had (``tools.bench.chunks``)."""
-    from tools.bench.chunks import train_in_chunks
 
     run_dir = settings.run_dir(run, seed)
     started = time.perf_counter()
@@ -1011,12 +1012,8 @@ def run_scenario(settings: Settings, *, context, log=print) -> dict[str, Any]:
         for name, seed, lr in plan:
             arm = scenario.arm(name)
             run = settings.run_name(name, lr)
-            path = settings.result_path(run, seed)
-            if path.is_file():
-                log(f"[methods] {run} seed {seed}: reusing {path}")
-                result = json.loads(path.read_text())
-            else:
-                log(f"[methods] {run} seed {seed}: running")
+
+            def train(arm=arm, run=run, seed=seed, lr=lr) -> dict[str, Any]:
                 estimator_dir = prepared.get("estimator") if arm.offline_estimator else None
                 cfg = arm_config(settings, arm, seed, train_file=prepared[arm.train_on], estimator_dir=estimator_dir,
                                  lr=lr)
@@ -1025,8 +1022,9 @@ def run_scenario(settings: Settings, *, context, log=print) -> dict[str, Any]:
                 result = run_arm(settings, cfg, run=run, seed=seed, context=context, evaluate=evaluate, base=base,
                                  flops_model=flops_model)
                 result["pre_rl_flops"] = prepared.get("pre_rl_flops", 0.0) if arm.offline_estimator else 0.0
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(result, indent=1))
+                return result
+
+            result = reuse_or_run(settings.result_path(run, seed), train, label=f"[methods] {run} seed {seed}", log=log)
             (results if lr is None else checks).setdefault(run, {})[seed] = result
     if scenario.target_baseline not in results:
         log(f"no {scenario.target_baseline} runs among --arms: rerun with it for the summary "

@@ -55,6 +55,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tools.bench.chunks import reuse_or_run, train_in_chunks
+
 BASELINE = "grpo_cpu"
 MORE_SFT = "more_sft"
 PASS_KS = (1, 8)
@@ -186,7 +188,6 @@ def run_rl_method(method: str, seed: int, *, settings: RaceSettings, context, he
     """Train ``method`` (or ``recipe``, see ``method_config``) in chunks between evaluation points;
     resume from the newest checkpoint (``tools.bench.chunks``)."""
     from pipeline.metrics import read_metrics
-    from tools.bench.chunks import train_in_chunks
 
     cfg = method_config(method, seed, settings, recipe=recipe)
     run_dir = settings.run_dir(method, seed)
@@ -407,21 +408,16 @@ def run_race(settings: RaceSettings, *, methods: Sequence[str], seeds: Sequence[
     with GradingPool(**method_config(BASELINE, 0, settings).reward.pool_kwargs()) as pool:
         for method in methods:
             for seed in seeds:
-                path = settings.result_path(method, seed)
-                if path.is_file():
-                    log(f"[race] {method} seed {seed}: reusing {path}")
-                    result = json.loads(path.read_text())
-                else:
-                    log(f"[race] {method} seed {seed}: running")
+
+                def train(method=method, seed=seed) -> dict[str, Any]:
                     if method == MORE_SFT:
                         grpo_curve = results[BASELINE][seed]["curve"]
-                        result = run_more_sft(seed, settings=settings, context=context, heldout=heldout, pool=pool,
-                                              eval_wall_s=[point["wall_s"] for point in grpo_curve[1:]])
-                    else:
-                        result = run_rl_method(method, seed, settings=settings, context=context, heldout=heldout,
-                                               pool=pool)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(json.dumps(result, indent=1))
+                        return run_more_sft(seed, settings=settings, context=context, heldout=heldout, pool=pool,
+                                            eval_wall_s=[point["wall_s"] for point in grpo_curve[1:]])
+                    return run_rl_method(method, seed, settings=settings, context=context, heldout=heldout, pool=pool)
+
+                result = reuse_or_run(settings.result_path(method, seed), train, label=f"[race] {method} seed {seed}",
+                                      log=log)
                 results.setdefault(method, {})[seed] = result
     summary = summarize(results, target=target)
     report = {"settings": {**dataclasses.asdict(settings), "out": str(settings.out), "methods": methods,
