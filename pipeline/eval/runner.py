@@ -25,7 +25,12 @@ class ProblemResult:
     num_correct: int
     responses: list[str] = field(repr=False)
     reasons: list[str] = field(repr=False)
-    num_generated_tokens: int = 0
+    response_lengths: list[int] = field(repr=False)  # each response's generated tokens, in sample order
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Generated tokens over the prompt's responses."""
+        return sum(self.response_lengths)
 
 
 def sample_and_grade(
@@ -50,14 +55,14 @@ def sample_and_grade(
     by_id = {prompt.id: prompt for prompt in prompts}
     grades = pool.grade_batch([(text, by_id[c.prompt_id].answer, by_id[c.prompt_id].problem)
                                for text, c in zip(texts, completions)])
-    results = {prompt.id: ProblemResult(prompt, 0, 0, [], []) for prompt in prompts}
+    results = {prompt.id: ProblemResult(prompt, 0, 0, [], [], []) for prompt in prompts}
     for completion, text, grade in zip(completions, texts, grades):
         result = results[completion.prompt_id]
         result.num_samples += 1
         result.num_correct += int(grade.is_correct)
         result.responses.append(text)
         result.reasons.append(str(grade.reason))
-        result.num_generated_tokens += int(completion.token_ids.numel())
+        result.response_lengths.append(int(completion.token_ids.numel()))
     return [results[prompt.id] for prompt in prompts]
 
 

@@ -26,7 +26,8 @@ prompts each rule took and which options to change (``nothing_kept_error``), nev
 
 Outputs under ``output_dir`` (``pipeline.stats.curation`` owns their names and formats):
 the shards (``shards/shard_XXXXX.parquet``, one row per sampled prompt, with the policy's mean
-log-prob of the question tokens: DEPO's distillation target), ``pass_rates.parquet`` (every
+log-prob of the question tokens: DEPO's distillation target, and each response's generated
+tokens: the lengths `winnow plan` times rl steps from), ``pass_rates.parquet`` (every
 loaded prompt), ``kept.jsonl`` (the kept prompts, read back by ``load_prompts(path)``),
 ``report.md`` and ``difficulty.png``, and ``manifest.json``, written last, so its presence
 marks a complete curation.
@@ -80,6 +81,7 @@ from pipeline.stats.curation import (
     PASS_RATES_FILE,
     PLOT_FILE,
     REPORT_FILE,
+    RESPONSE_LENGTHS_COLUMN,
     SHARDS_DIR,
     CurationError,
     CurationResult,
@@ -172,7 +174,9 @@ def run_curate(cfg: CurateConfig, *, context=None, engine=None, out: Callable[[s
     if tables:
         import pyarrow as pa
 
-        sampled = pa.concat_tables(tables)
+        # Shards an older version wrote lack the per-response lengths; their rows get nulls here
+        # (load_response_lengths then reads per-prompt means), rather than a schema mismatch.
+        sampled = pa.concat_tables(tables, promote_options="default")
         assert sampled.column("id").to_pylist() == [p.id for p in to_sample]
         num_samples[to_sample_index] = sampled.column("n").to_numpy()
         num_correct[to_sample_index] = sampled.column("c").to_numpy()
@@ -440,6 +444,9 @@ def _shard_table(results, *, shard: Shard, fingerprint: str, question_logprobs: 
         "difficulty": difficulty_names(n, c),
         "num_generated_tokens": pa.array([r.num_generated_tokens for r in results], pa.int64()),
         "question_logprob": pa.array(question_logprobs, pa.float64()),
+        # The planner times rl steps from these (pipeline.stats.curation.load_response_lengths): the
+        # longest response of a batch sets its time, which per-prompt means understate.
+        RESPONSE_LENGTHS_COLUMN: pa.array([r.response_lengths for r in results], pa.list_(pa.int64())),
     })
     metadata = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "shard_index": shard.index, "seed": shard.seed}
     return table.replace_schema_metadata({_SHARD_METADATA_KEY: json.dumps(metadata).encode()})

@@ -180,7 +180,33 @@ def test_sampler_is_reproducible_per_shard_seed_and_stops_on_the_policys_tokens(
         shard = Shard(index=0, prompts=_prompts(2), seed=seed, path=Path("unused"))
         results = sampler.sample(shard)
         assert [(r.prompt.id, r.num_samples) for r in results] == [("p0", 3), ("p1", 3)]
+        for result in results:
+            assert len(result.response_lengths) == 3 and all(1 <= n <= 6 for n in result.response_lengths)
+            assert result.num_generated_tokens == sum(result.response_lengths)
         return [r.responses for r in results]
 
     assert responses(11) == responses(11)
     assert responses(11) != responses(12)
+
+
+def test_sample_and_grade_keeps_each_responses_length_in_sample_order(bootstrap_tokenizer):
+    from pipeline.eval.runner import sample_and_grade
+    from pipeline.rollout.types import Completion, SamplingParams
+
+    def length(prompt_id: str, sample_index: int) -> int:  # distinct for every sample
+        return 1 + 3 * int(prompt_id[1:]) + sample_index
+
+    class _Engine:
+        def generate(self, requests, params):
+            return [Completion(prompt_id=request.prompt_id, sample_index=index,
+                               token_ids=torch.full((length(request.prompt_id, index),), 5, dtype=torch.int64),
+                               logprobs=torch.zeros(length(request.prompt_id, index)), finish_reason="stop",
+                               weight_version=0)
+                    for request in requests for index in range(request.num_samples)]
+
+    pool = SimpleNamespace(grade_batch=lambda items: [SimpleNamespace(is_correct=True, reason="ok")] * len(items))
+    results = sample_and_grade(engine=_Engine(), tokenizer=bootstrap_tokenizer, prompts=_prompts(2), num_samples=3,
+                               params=SamplingParams(max_new_tokens=16), pool=pool, template="raw")
+    assert [r.response_lengths for r in results] == [[1, 2, 3], [4, 5, 6]]
+    assert [r.num_generated_tokens for r in results] == [6, 15]
+    assert [len(r.responses) for r in results] == [3, 3]

@@ -197,7 +197,7 @@ def test_end_to_end_outputs(completed, extra_source):
         np.testing.assert_array_equal(table.column("pass_rate").to_numpy(), c / n)
         assert table.column("difficulty").to_pylist() == rules.difficulty_names(n, c)
         assert table.column_names == ["id", "source", "problem", "answer", "metadata", "n", "c", "pass_rate",
-                                      "difficulty", "num_generated_tokens", "question_logprob"]
+                                      "difficulty", "num_generated_tokens", "question_logprob", "response_lengths"]
         question_logprobs = table.column("question_logprob").to_numpy()
         assert np.all(np.isfinite(question_logprobs)) and np.all(question_logprobs < 0)
 
@@ -285,6 +285,62 @@ def test_resume_after_a_failure_in_the_second_shard(completed, policy_dir, extra
         assert table.equals(full_shards[name], check_metadata=True), name
     assert pass_rates.equals(full_pass_rates) and kept == full_kept and report == full_report
     np.testing.assert_array_equal(resumed.num_correct, full.num_correct)
+
+
+def test_shards_store_each_responses_length_for_the_planner(completed):
+    from pipeline.launch.plan import curation_lengths
+    from pipeline.stats.curation import RESPONSE_LENGTHS_COLUMN, load_response_lengths
+
+    _, result, _ = completed
+    lengths_of = {}
+    for path in sorted((result.output_dir / "shards").glob("shard_*.parquet")):
+        table = pq.read_table(path)
+        for row in table.to_pylist():
+            lengths = row[RESPONSE_LENGTHS_COLUMN]
+            assert len(lengths) == row["n"] and sum(lengths) == row["num_generated_tokens"]
+            assert all(1 <= length <= MAX_NEW_TOKENS for length in lengths)
+            lengths_of[row["id"]] = lengths
+    assert len(lengths_of) == 26
+    # Lengths vary between the responses of one prompt: per-prompt means would hide that spread.
+    assert any(len(set(lengths)) > 1 for lengths in lengths_of.values())
+
+    measured = load_response_lengths(result.output_dir)
+    assert measured.per_response and measured.kept_only and measured.num_prompts == result.counts["kept"]
+    assert measured.lengths.size == 4 * result.counts["kept"]
+    assert measured.lengths.tolist() == [length for prompt_id in result.kept_ids for length in lengths_of[prompt_id]]
+    source = curation_lengths(result.output_dir, max_new_tokens=MAX_NEW_TOKENS).source
+    assert f"{4 * result.counts['kept']} responses of {result.counts['kept']} kept prompts" in source
+    assert "mean response lengths" not in source
+
+
+def test_shards_of_an_older_version_without_response_lengths_mix_with_new_ones(completed, tmp_path, monkeypatch):
+    """A resumed curation whose first shard an older version wrote: the new shards carry per-response
+    lengths, the old one does not, and the planner falls back to every kept prompt's mean."""
+    import shutil
+
+    from pipeline.stats.curation import RESPONSE_LENGTHS_COLUMN, load_response_lengths
+
+    cfg, full, _ = completed
+    output_dir = tmp_path / "mixed"
+    shutil.copytree(full.output_dir, output_dir)
+    shards_dir = output_dir / "shards"
+    old = pq.read_table(shards_dir / "shard_00000.parquet")
+    pq.write_table(old.drop_columns([RESPONSE_LENGTHS_COLUMN]), shards_dir / "shard_00000.parquet")
+    (shards_dir / f"shard_{NUM_SHARDS - 1:05d}.parquet").unlink()
+    counting = _CountingGenerate(monkeypatch)
+    mixed = run_curate(configlib.load(CurateConfig, base=cfg, overrides=[f"output_dir={output_dir}"]),
+                       out=lambda line: None)
+    assert counting.num_calls == 1
+    manifest = json.loads((output_dir / MANIFEST_FILE).read_text())
+    assert [s["status"] for s in manifest["shards"]] == ["reused"] * (NUM_SHARDS - 1) + ["generated"]
+    assert RESPONSE_LENGTHS_COLUMN in pq.read_schema(shards_dir / f"shard_{NUM_SHARDS - 1:05d}.parquet").names
+    assert mixed.counts == full.counts and mixed.kept_ids == full.kept_ids
+
+    measured = load_response_lengths(output_dir)
+    assert not measured.per_response and measured.lengths.size == full.counts["kept"]
+    tokens_of = {row["id"]: row["num_generated_tokens"] for path in sorted(shards_dir.glob("shard_*.parquet"))
+                 for row in pq.read_table(path, columns=["id", "num_generated_tokens"]).to_pylist()}
+    np.testing.assert_allclose(measured.lengths, [tokens_of[prompt_id] / 4 for prompt_id in full.kept_ids])
 
 
 def test_rerun_with_other_rules_reuses_every_shard(completed, tmp_path, monkeypatch):

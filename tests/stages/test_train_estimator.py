@@ -34,7 +34,14 @@ class _FakeResult:
     prompt: _FakePrompt
     num_samples: int
     num_correct: int
-    num_generated_tokens: int = 10
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [10] * self.num_samples
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(self.response_lengths)
 
 
 def _write_curation(directory, *, num_prompts: int, k: int = 8) -> list[str]:
