@@ -7,8 +7,9 @@ the per-GPU memory table of every pipeline stage, the SGLang KV cache against a 
 sequences, the requests the rollout client keeps in flight, the context check, the pipeline bubble, the
 response lengths the step is timed with (the rl config's ``curation_dir`` when it holds a finished
 curation, else the planner's stated shape; ``--response-fraction`` moves that shape's mean) and the
-generation time beside its mean-length and all-max bounds, step time and GPU-hours at the printed
-assumptions, and the verdict with the smallest TP×PP layout that fits; with ``--recipe``, also
+generation time beside its mean-length and all-max bounds, with DEPO the difficulty estimator's
+share of the step on rank 0's GPU (and its state in rank 0's memory), step time and GPU-hours at the
+printed assumptions, and the verdict with the smallest TP×PP layout that fits; with ``--recipe``, also
 the context check of the campaign's curate and evaluate stages on the same model. Exit status
 1 when the job does not fit. The planner itself is ``pipeline.launch.plan``.
 
@@ -127,8 +128,9 @@ def _response_lengths(cfg: Any, args: argparse.Namespace) -> planner.ResponseLen
 
 
 def stage_inputs(cfg: Any, dims: planner.ModelDims, *, resources: Any, args: argparse.Namespace, num_runs: int,
-                 gpus_per_node: int) -> planner.PlanInputs:
-    """``PlanInputs`` for one rl config on a stage's resources (``resources``: a campaign ``Resources`` or None)."""
+                 gpus_per_node: int, campaign: Any | None = None) -> planner.PlanInputs:
+    """``PlanInputs`` for one rl config on a stage's resources (``resources``: a campaign ``Resources`` or None);
+    ``campaign``, the ``CampaignPlan`` the stage belongs to, finds the stage that trains its DEPO estimator."""
     rollout = getattr(resources, "rollout", None) if resources is not None else None
     cluster = planner.Cluster(
         gpu=planner.GPUS[args.gpu],
@@ -142,6 +144,7 @@ def stage_inputs(cfg: Any, dims: planner.ModelDims, *, resources: Any, args: arg
     return planner.PlanInputs(
         dims=dims, layout=planner.layout_from_rl(cfg, trainer_gpus=cluster.trainer_gpus),
         in_flight=planner.in_flight_from_rl(cfg, cluster), response_lengths=_response_lengths(cfg, args),
+        estimator=planner.estimator_from_rl(cfg, campaign=campaign),
         trainer=planner.trainer_settings_from_rl(cfg, **_trainer_options(args, cfg)),
         workload=planner.workload_from_rl(cfg, prompt_tokens=planner.prompt_allowance(dims, args.prompt_tokens),
                                           num_runs=num_runs),
@@ -176,6 +179,8 @@ def format_plan(result: planner.Plan, *, title: str) -> str:
             ("activations", "activations"), ("  no recompute", "activations_no_recompute"),
             ("  full recompute", "activations_full_recompute"), ("log-prob head", "head_buffer"),
             ("reference", "reference_weights"), ("generator (fp32)", "generator_weights")]
+    if inputs.estimator is not None:
+        rows.append(("estimator (fp32)", "estimator_state"))
     for label, key in rows:
         lines.append(f"{label:16s}" + "".join(f"{getattr(stage, key) / GIB:10.2f}" for stage in result.stages))
     lines.append(f"{'total':16s}" + "".join(f"{stage.total / GIB:10.2f}" for stage in result.stages))
@@ -197,11 +202,14 @@ def format_plan(result: planner.Plan, *, title: str) -> str:
     assumptions = inputs.assumptions
     time = result.time
     lines += format_generation(time)
+    if inputs.estimator is not None:
+        lines.append(format_estimator(inputs.estimator, time, cluster=cluster, assumptions=assumptions))
     recompute = f", {trainer.recompute} recompute {time.recompute_s:.0f} s of it" if time.recompute_s else ""
+    estimator = f", DEPO estimator {_brief_seconds(time.estimator_s)} s" if inputs.estimator is not None else ""
     lines.append(f"time (assumed: MFU {assumptions.mfu:.0%} trainer, {assumptions.rollout_mfu:.0%} rollout, "
                  f"{cluster.gpu.peak_tflops:.0f} TFLOPS bf16 peak): step {time.step_s:.0f} s (rollout "
                  f"{time.rollout_s:.0f} s, train {time.train_s:.0f} s{recompute}"
-                 f"{', overlapped (rollout.max_staleness=1): the longer' if time.overlapped else ''}"
+                 f"{', overlapped (rollout.max_staleness=1): the longer' if time.overlapped else ''}{estimator}"
                  f", weight sync {time.sync_s:.1f} s ({_sync_assumption(workload.sync, assumptions) if cluster.rollout_nodes else 'in process'}); "
                  f"{time.rollout_flops:.2e} + {time.train_flops:.2e} FLOPs)")
     lines.append(f"run: {workload.steps} steps × {workload.num_runs} run(s) = {result.gpu_hours:,.0f} GPU-hours "
@@ -219,6 +227,32 @@ def format_plan(result: planner.Plan, *, title: str) -> str:
 
 def _seconds(value: float) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def _brief_seconds(value: float) -> str:
+    """Hundredths under a second (the estimator's time), else as ``_seconds``."""
+    return f"{value:.2f}" if value < 1 else _seconds(value)
+
+
+def format_estimator(estimator: planner.EstimatorWorkload, time: planner.TimePlan, *, cluster: planner.Cluster,
+                     assumptions: planner.Assumptions) -> str:
+    """DEPO's estimator: its FLOPs by their formula, its time and share of the step, and where in the step it runs."""
+    encoder = estimator.encoder
+    if time.overlapped:
+        where = (f"the other ranks wait for rank 0's scoring ({_brief_seconds(time.estimator_score_s)} s) before the "
+                 f"batch is launched; its training ({_brief_seconds(time.estimator_train_s)} s) is on the update's "
+                 "side, beside the next batch's generation")
+    else:
+        where = ("all on the step's critical path: the other ranks wait for rank 0's scoring before generation and "
+                 "for its training after the update")
+    return (f"DEPO estimator ({encoder.name}, {estimator.source}; fp32 on rank 0's GPU): "
+            f"{time.estimator_flops:.2e} FLOPs a step = 2·N·T̄·(3·{estimator.minibatches}·{estimator.minibatch_size} "
+            f"trained + {estimator.candidates} scored) with N = {encoder.forward_cost().matmul_parameters:,} matmul "
+            f"weights, T̄ = {estimator.question_tokens} tokens ({estimator.question_tokens_source}); "
+            f"{_brief_seconds(time.estimator_s)} s at {assumptions.estimator_mfu:.0%} of "
+            f"{cluster.gpu.peak_fp32_tflops:.0f} TFLOPS fp32 peak (assumed), adding "
+            f"{_brief_seconds(time.estimator_added_s)} s, {time.estimator_added_s / time.step_s:.2%} of the step; "
+            f"{where}")
 
 
 def format_generation(time: planner.TimePlan) -> list[str]:
@@ -281,9 +315,9 @@ def rl_jobs(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
 
 
 def plan_jobs(jobs: list[tuple[str, Any, Any]], dims: planner.ModelDims, args: argparse.Namespace,
-              gpus_per_node: int) -> list[tuple[str, planner.Plan]]:
+              gpus_per_node: int, campaign: Any | None = None) -> list[tuple[str, planner.Plan]]:
     return [(name, planner.plan(stage_inputs(cfg, dims, resources=resources, args=args, num_runs=1,
-                                             gpus_per_node=gpus_per_node)))
+                                             gpus_per_node=gpus_per_node, campaign=campaign)))
             for name, cfg, resources in jobs]
 
 
@@ -306,7 +340,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         raise UserError(f"--model: {error}") from None
     jobs = rl_jobs(args)
-    results = plan_jobs(jobs, dims, args, _gpus_per_node(args))
+    # A recipe's rl stages read the estimator its train-estimator stage writes (overrides reach rl stages only).
+    campaign = _recipe_campaign(args) if args.recipe else None
+    results = plan_jobs(jobs, dims, args, _gpus_per_node(args), campaign=campaign)
     for name, result in results:
         print(format_plan(result, title=name))
         print()
@@ -342,7 +378,8 @@ def check_campaign_plan(plan: Any, args: argparse.Namespace, *, out=print) -> No
             continue
         if stage.kind == "rl" and stage.resources.gpus_per_node > 0:
             result = planner.plan(stage_inputs(stage.config, context.dims, resources=stage.resources, args=args,
-                                               num_runs=1, gpus_per_node=stage.resources.gpus_per_node))
+                                               num_runs=1, gpus_per_node=stage.resources.gpus_per_node,
+                                               campaign=plan))
             out(format_plan(result, title=stage.name))
             if not result.fits:
                 failures.append(f"{stage.name}: " + "; ".join(result.problems))

@@ -65,6 +65,16 @@ What it models, and from where:
   ``model_state_bytes`` less the gradients. Time: those bytes at an assumed per-rank write
   bandwidth of the shared filesystem, times a safety factor, plus a fixed cost (collectives
   between phases, metadata, the manifest). It sets the SLURM ``--signal`` lead of rl jobs.
+* **DEPO estimator** (``estimator_from_rl``, ``estimator_step_flops``): a run whose
+  ``algorithm.prompt_filter`` is ``depo`` runs its difficulty estimator (a BERT encoder, fp32)
+  once a step on global rank 0's GPU: it scores the ``⌈oversample·B⌉`` candidates, one forward
+  each, before generation, and trains ``minibatches`` AdamW minibatches of ``minibatch_size``
+  prompts (3 forwards each) after the update; the other ranks wait for it at the broadcast of
+  the decision. ``2·N·T̄·(3·minibatches·minibatch_size + ⌈oversample·B⌉)`` FLOPs
+  (``pipeline.stats.flops.estimator_flops``; ``N`` the encoder's matmul weights, ``T̄`` the
+  tokens a question takes, the estimator's ``max_length`` as an upper bound), at an assumed
+  30% of the card's fp32 peak; its weights, gradients and AdamW state (16 bytes a parameter)
+  are on pipeline stage 0.
 * **KV cache** (``kv_cache_plan``): ``2·L·g·d·bytes`` per token (K and V of every layer),
   split over a server's TP ranks (replicated when ``g < tp``); capacity is SGLang's
   ``--mem-fraction-static`` share of the GPU minus the weights.
@@ -98,6 +108,7 @@ from pipeline.models.spec import ModelSpec
 from pipeline.stats.flops import (
     ForwardCost,
     decoder_layer_matmul_parameters,
+    estimator_flops,
     generation_flops,
     peak_bf16_flops,
     prefill_flops,
@@ -106,10 +117,13 @@ from pipeline.stats.flops import (
 )
 
 __all__ = [
+    "ESTIMATOR_ENCODERS",
     "GPUS",
     "Assumptions",
     "CheckpointWrite",
     "Cluster",
+    "EstimatorEncoder",
+    "EstimatorWorkload",
     "GenerationBatches",
     "GPUSpec",
     "KVCachePlan",
@@ -128,6 +142,8 @@ __all__ = [
     "checkpoint_write_plan",
     "context_problem",
     "curation_lengths",
+    "estimator_from_rl",
+    "estimator_step_flops",
     "generation_batches",
     "generation_seconds",
     "head_buffer_bytes",
@@ -246,13 +262,19 @@ class GPUSpec:
     name: str
     memory_gib: float
     peak_tflops: float  # dense bf16 tensor-core peak
+    # fp32 peak without tensor cores: what the DEPO estimator's fp32 matmuls get when TF32 is off
+    # (torch's default for matmuls); an image that turns TF32 on makes the estimator faster than planned.
+    peak_fp32_tflops: float
 
 
 GPUS = {
-    # NVIDIA H100 SXM5 datasheet: 80 GB HBM3; its dense bf16 peak is pipeline.stats.flops' (989 TFLOPS).
-    "h100": GPUSpec(name="H100 SXM 80GB", memory_gib=80 * 1e9 / GIB, peak_tflops=peak_bf16_flops("H100") / 1e12),
-    # NVIDIA H200 datasheet: 141 GB HBM3e, same compute as H100 SXM.
-    "h200": GPUSpec(name="H200 141GB", memory_gib=141 * 1e9 / GIB, peak_tflops=peak_bf16_flops("H200") / 1e12),
+    # NVIDIA H100 SXM5 datasheet: 80 GB HBM3; its dense bf16 peak is pipeline.stats.flops' (989 TFLOPS);
+    # FP32 67 TFLOPS (NVIDIA H100 Tensor Core GPU datasheet, SXM column).
+    "h100": GPUSpec(name="H100 SXM 80GB", memory_gib=80 * 1e9 / GIB, peak_tflops=peak_bf16_flops("H100") / 1e12,
+                    peak_fp32_tflops=67.0),
+    # NVIDIA H200 datasheet: 141 GB HBM3e, same compute as H100 SXM (FP32 67 TFLOPS).
+    "h200": GPUSpec(name="H200 141GB", memory_gib=141 * 1e9 / GIB, peak_tflops=peak_bf16_flops("H200") / 1e12,
+                    peak_fp32_tflops=67.0),
 }
 
 
@@ -331,6 +353,9 @@ class Cluster:
 class Assumptions:
     mfu: float = 0.35  # trainer model-FLOP utilization
     rollout_mfu: float = 0.10  # SGLang generation: decode is memory-bound
+    # The DEPO estimator's share of the card's fp32 peak: a 6-layer, 384-wide encoder on batches of 32
+    # (training) and 64 (scoring) questions is too small to keep an H100 busy.
+    estimator_mfu: float = 0.30
     # The stated response-length shape (``long_tail_lengths``) when no curation measured the lengths:
     # median and 90th percentile as fractions of max_new_tokens; with these 4.6% of responses reach the
     # cap and the mean is 37% of it.
@@ -363,6 +388,7 @@ class PlanInputs:
     in_flight: InFlightLimit | None = None  # the SGLang client's limit (``in_flight_from_rl``); None: no servers
     # Measured response lengths (``curation_lengths``); None: the assumptions' stated shape.
     response_lengths: ResponseLengths | None = None
+    estimator: EstimatorWorkload | None = None  # the DEPO estimator's step (``estimator_from_rl``); None: no DEPO
 
     @property
     def seq_length(self) -> int:
@@ -375,6 +401,166 @@ class PlanInputs:
         a = self.assumptions
         return long_tail_lengths(self.workload.max_new_tokens, median=a.response_median, p90=a.response_p90,
                                  mean=a.response_fraction)
+
+
+# ------------------------------------------------------------------------ DEPO estimator
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EstimatorEncoder:
+    """The BERT encoder of DEPO's difficulty estimator (``pipeline.estimator.model.DifficultyEstimator``),
+    as the planner sizes it, and the tokens it reads of a question (``max_length``)."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    vocab_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    max_length: int
+
+    @classmethod
+    def from_description(cls, described: Mapping[str, Any], *, name: str) -> EstimatorEncoder:
+        """From a saved estimator's ``estimator.json`` (``DifficultyEstimator.describe``): its
+        ``bert_config`` and ``max_length``. A description without them raises ``ValueError``."""
+        try:
+            config = described["bert_config"]
+            return cls(name=name, hidden_size=int(config["hidden_size"]),
+                       intermediate_size=int(config["intermediate_size"]),
+                       num_layers=int(config["num_hidden_layers"]), vocab_size=int(config["vocab_size"]),
+                       max_position_embeddings=int(config["max_position_embeddings"]),
+                       type_vocab_size=int(config.get("type_vocab_size", 2)),
+                       max_length=int(described["max_length"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"not an estimator description ({error!r})") from error
+
+    @classmethod
+    def load(cls, directory: str | Path) -> EstimatorEncoder:
+        """A trained estimator's folder (``algorithm.depo.estimator_dir``): its ``estimator.json``."""
+        path = Path(directory) / ESTIMATOR_DESCRIPTION
+        if not path.is_file():
+            raise ValueError(f"no {ESTIMATOR_DESCRIPTION} in {directory}")
+        described = json.loads(path.read_text())
+        kind = described.get("kind") if isinstance(described, dict) else None
+        known = ESTIMATOR_ENCODERS.get(kind) if isinstance(kind, str) else None
+        return cls.from_description(described, name=known.name if known is not None else str(kind))
+
+    def forward_cost(self) -> ForwardCost:
+        """Per-token forward FLOPs: ``2·N`` with ``N = L·(4h² + 2h·I)`` matmul weights (``pipeline.stats.flops``)."""
+        return ForwardCost.from_bert_config({"hidden_size": self.hidden_size,
+                                             "intermediate_size": self.intermediate_size,
+                                             "num_hidden_layers": self.num_layers})
+
+    def num_parameters(self) -> int:
+        """Every parameter of the estimator: the embeddings (word, position, token type and their LayerNorm),
+        each layer's ``4h² + 2h·I`` matmul weights with their ``4h + I + h`` biases and two LayerNorms
+        (``4h``), and the three one-unit heads (``h + 1`` each). all-MiniLM-L6-v2 (h = 384, I = 1,536,
+        6 layers, 30,522 words, 512 positions, 2 token types): 11,918,592 + 6 × 1,774,464 + 1,155 =
+        22,566,531, as the model built from its ``config.json`` counts (no pooler: it is built without one)."""
+        h, inner = self.hidden_size, self.intermediate_size
+        embeddings = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size) * h + 2 * h
+        layer = 4 * h * h + 2 * h * inner + 4 * h + inner + h + 4 * h
+        return embeddings + self.num_layers * layer + 3 * (h + 1)
+
+
+# The file a saved estimator describes itself in (``pipeline.estimator.model``'s, read here without torch).
+ESTIMATOR_DESCRIPTION = "estimator.json"
+
+# A fresh estimator by ``algorithm.depo.encoder`` (``DifficultyEstimator.from_pretrained_minilm`` and ``.tiny``).
+# all-MiniLM-L6-v2's config.json; the 256 tokens it reads are the sequence length it was fine-tuned with.
+# Its matmul weights, the N of the FLOPs: 6 × (4·384² + 2·384·1,536) = 10,616,832; its non-embedding
+# parameters are 10,646,784, the other 29,952 being biases and LayerNorms (element-wise, no matmul FLOPs).
+ESTIMATOR_ENCODERS: dict[str, EstimatorEncoder] = {
+    "minilm": EstimatorEncoder(name="all-MiniLM-L6-v2", hidden_size=384, intermediate_size=1536, num_layers=6,
+                               vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, max_length=256),
+    # 2 random layers of width 32 over UTF-8 bytes (256 bytes + 4 special ids), 128 bytes read.
+    "tiny": EstimatorEncoder(name="tiny", hidden_size=32, intermediate_size=128, num_layers=2, vocab_size=260,
+                             max_position_embeddings=128, type_vocab_size=2, max_length=128),
+}
+# fp32 weights (4 bytes), gradients (4) and AdamW's two moments (8): what the estimator keeps on rank 0's GPU.
+ESTIMATOR_STATE_BYTES_PER_PARAMETER = 16
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EstimatorWorkload:
+    """What DEPO's estimator does in one rl step, on global rank 0's GPU (``pipeline/rl/sampling.py``)."""
+
+    encoder: EstimatorEncoder
+    source: str  # where the encoder's dimensions come from (printed with the plan)
+    candidates: int  # ⌈oversample·B⌉ prompts scored, one forward each, before generation
+    minibatches: int  # AdamW updates after the step's update
+    minibatch_size: int  # prompts per update (forward + backward: 3 forwards)
+    question_tokens: int  # T̄: encoder tokens a question takes
+    question_tokens_source: str
+
+    @property
+    def trained_prompts(self) -> int:
+        return self.minibatches * self.minibatch_size
+
+    @property
+    def state_bytes(self) -> int:
+        """Weights, gradients and AdamW state in fp32: 361 MB (344 MiB) for all-MiniLM-L6-v2."""
+        return ESTIMATOR_STATE_BYTES_PER_PARAMETER * self.encoder.num_parameters()
+
+
+def estimator_step_flops(estimator: EstimatorWorkload) -> tuple[float, float]:
+    """(scoring, training) FLOPs of the estimator's step by ``pipeline.stats.flops.estimator_flops``:
+    ``2·N·T̄·⌈oversample·B⌉`` and ``2·N·T̄·3·minibatches·minibatch_size``.
+
+    At the staged H100 default (MiniLM, N = 10,616,832, T̄ = 256, 256 candidates, 4 × 32 trained):
+    1.39e12 + 2.09e12 = 3.48e12 FLOPs, 0.17 s at 30% of an H100's 67 TFLOPS fp32.
+    """
+    cost, tokens = estimator.encoder.forward_cost(), estimator.question_tokens
+    return (estimator_flops(cost, {"inference": estimator.candidates * tokens}),
+            estimator_flops(cost, {"train": estimator.trained_prompts * tokens}))
+
+
+def estimator_from_rl(cfg: Any, *, campaign: Any | None = None) -> EstimatorWorkload | None:
+    """An ``RLConfig``'s DEPO estimator step; None when its ``algorithm.prompt_filter`` is not ``depo``.
+
+    The encoder is, in order: a fresh one of ``algorithm.depo.encoder`` without ``estimator_dir``;
+    the encoder a ``train-estimator`` stage of ``campaign`` trains into ``estimator_dir``; the one
+    ``estimator_dir``'s ``estimator.json`` describes; else (a folder not readable here)
+    ``algorithm.depo.encoder``'s, and the source says so. ``T̄`` is the encoder's ``max_length``:
+    an upper bound (the planner reads no questions, and a batch is padded to its longest).
+    """
+    if cfg.algorithm.prompt_filter != "depo":
+        return None
+    depo = cfg.algorithm.depo
+    encoder, source = _depo_encoder(depo, campaign)
+    return EstimatorWorkload(
+        encoder=encoder, source=source, candidates=math.ceil(cfg.prompts_per_step * depo.oversample),
+        minibatches=depo.minibatches, minibatch_size=depo.minibatch_size, question_tokens=encoder.max_length,
+        question_tokens_source="the estimator's max_length: an upper bound, the planner reads no questions")
+
+
+def _depo_encoder(depo: Any, campaign: Any | None) -> tuple[EstimatorEncoder, str]:
+    fresh = ESTIMATOR_ENCODERS[depo.encoder]
+    if depo.estimator_dir is None:
+        return fresh, f"fresh: algorithm.depo.encoder={depo.encoder}"
+    trainer = _estimator_trainer(campaign, depo.estimator_dir) if campaign is not None else None
+    if trainer is not None:
+        trained = ESTIMATOR_ENCODERS[trainer.config.encoder]
+        return replace(trained, max_length=trainer.config.max_length), f"trained by stage {trainer.name}"
+    try:
+        return EstimatorEncoder.load(depo.estimator_dir), f"read from {depo.estimator_dir}"
+    except (ValueError, OSError) as error:  # json's decode errors are ValueErrors
+        return fresh, (f"{depo.estimator_dir} cannot be read here ({error}): sized as "
+                       f"algorithm.depo.encoder={depo.encoder}")
+
+
+def _estimator_trainer(campaign: Any, estimator_dir: str) -> Any | None:
+    """The ``train-estimator`` stage of ``campaign`` that writes ``estimator_dir``, if any."""
+    from pipeline.stages.train_estimator import ESTIMATOR_DIR
+
+    target = Path(estimator_dir).expanduser().absolute()
+    for stage in campaign.stages:
+        if stage.kind == "train-estimator":
+            written = (Path(stage.config.output_dir) / ESTIMATOR_DIR).expanduser().absolute()
+            if written == target:
+                return stage
+    return None
 
 
 # ----------------------------------------------------------------------- response lengths
@@ -670,11 +856,15 @@ class MemoryBreakdown:
     # (at most ``rollout.max_batch_rows`` sequences) is not planned.
     generator_weights: int
     in_flight_micro_batches: int
+    # With DEPO, global rank 0 (pipeline stage 0) holds the estimator's fp32 weights, gradients and AdamW
+    # state (``EstimatorWorkload.state_bytes``). Its activations are not planned: it trains after the
+    # actor's update has freed the actor's, and a minibatch's (0.5 to 3 GiB for MiniLM) fit in what that frees.
+    estimator_state: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.head_buffer
-                + self.reference_weights + self.generator_weights)
+                + self.reference_weights + self.generator_weights + self.estimator_state)
 
 
 def memory_plan(inputs: PlanInputs) -> list[MemoryBreakdown]:
@@ -712,6 +902,7 @@ def memory_plan(inputs: PlanInputs) -> list[MemoryBreakdown]:
             reference_weights=params * weight_bytes if trainer.reference_model else 0,
             generator_weights=4 * dims.num_parameters() if stage == 0 and not inputs.cluster.rollout_nodes else 0,
             in_flight_micro_batches=in_flight,
+            estimator_state=inputs.estimator.state_bytes if stage == 0 and inputs.estimator is not None else 0,
         ))
     return stages
 
@@ -869,17 +1060,42 @@ class TimePlan:
     recompute_s: float = 0.0  # the part of ``train_s`` that activation recompute redoes
     sync_s: float = 0.0  # the weight push to the servers, which nothing overlaps
     overlapped: bool = False  # generation of step t+1 runs beside step t's update (docs/rl.md)
+    # DEPO's estimator on rank 0's GPU (``estimator_step_flops``): 0 without DEPO.
+    estimator_score_flops: float = 0.0
+    estimator_train_flops: float = 0.0
+    estimator_score_s: float = 0.0
+    estimator_train_s: float = 0.0
 
     @property
     def rollout_s(self) -> float:
         return self.prefill_s + self.generation_s
 
     @property
+    def estimator_flops(self) -> float:
+        return self.estimator_score_flops + self.estimator_train_flops
+
+    @property
+    def estimator_s(self) -> float:
+        return self.estimator_score_s + self.estimator_train_s
+
+    @property
+    def estimator_added_s(self) -> float:
+        """What the estimator adds to ``step_s``: all of it, but for training hidden beside a longer generation."""
+        return self.step_s - replace(self, estimator_score_s=0.0, estimator_train_s=0.0).step_s
+
+    @property
     def step_s(self) -> float:
         """One step's wall time: generation then update, or, overlapped, the longer of the two; then the
-        weight push (made only when no batch is in flight, so never overlapped)."""
-        work = max(self.train_s, self.rollout_s) if self.overlapped else self.train_s + self.rollout_s
-        return work + self.sync_s
+        weight push (made only when no batch is in flight, so never overlapped).
+
+        DEPO's estimator runs on rank 0 while the other ranks wait for it at the next collective
+        (``pipeline/stages/rl.py``): its scoring, in the step's planning before its batch is launched,
+        adds to the step either way; its training, after the update, adds to the update's side (beside
+        the next batch's generation when overlapped).
+        """
+        trainer = self.train_s + self.estimator_train_s
+        work = max(trainer, self.rollout_s) if self.overlapped else trainer + self.rollout_s
+        return work + self.estimator_score_s + self.sync_s
 
 
 def sync_seconds(inputs: PlanInputs) -> float:
@@ -925,7 +1141,8 @@ def step_flops(inputs: PlanInputs, lengths: ResponseLengths | None = None) -> tu
 def time_plan(inputs: PlanInputs) -> TimePlan:
     """Step time: the update at the trainer MFU over the trainer GPUs (stretched by the pipeline bubble),
     the prefill at the rollout MFU over the generators' GPUs, generation by ``generation_seconds``, the
-    weight push by ``sync_seconds``."""
+    weight push by ``sync_seconds``, DEPO's estimator (``estimator_step_flops``) at the estimator MFU
+    of one GPU's fp32 peak."""
     lengths = inputs.lengths()
     train, rollout = step_flops(inputs, lengths)
     peak = inputs.cluster.gpu.peak_tflops * 1e12
@@ -949,13 +1166,16 @@ def time_plan(inputs: PlanInputs) -> TimePlan:
     # Only servers on GPUs of their own generate while the trainer updates; a generator that
     # shares the trainer's GPUs takes its time from the update.
     overlapped = inputs.workload.max_staleness > 0 and inputs.cluster.rollout_gpus > 0
+    score, train_estimator = estimator_step_flops(inputs.estimator) if inputs.estimator is not None else (0.0, 0.0)
+    estimator_rate = inputs.cluster.gpu.peak_fp32_tflops * 1e12 * inputs.assumptions.estimator_mfu
     return TimePlan(train_flops=train, rollout_flops=rollout, train_s=train / trainer_rate,
                     recompute_s=recompute / trainer_rate, prefill_s=prefill / generator_rate,
                     generation_s=generation_seconds(inputs, lengths, batches),
                     generation_mean_s=generation_seconds(inputs, at(lengths.mean), batches),
                     generation_max_s=generation_seconds(inputs, at(workload.max_new_tokens), batches),
                     bubble=bubble, lengths=lengths, batches=batches, sync_s=sync_seconds(inputs),
-                    overlapped=overlapped)
+                    overlapped=overlapped, estimator_score_flops=score, estimator_train_flops=train_estimator,
+                    estimator_score_s=score / estimator_rate, estimator_train_s=train_estimator / estimator_rate)
 
 
 # ---------------------------------------------------------------------------------- plan
