@@ -1,5 +1,5 @@
-"""GPU smoke test of the paths CPU CI cannot run: the actor on CUDA, Transformer Engine (bf16, FP8),
-a weight sync from a TE actor, a converted checkpoint loaded by a TE actor, and a real SGLang server.
+"""GPU smoke test of the paths CPU CI cannot run: the actor on CUDA, TP=2 over NCCL, Transformer Engine (bf16,
+FP8), a weight sync from a TE actor, a converted checkpoint loaded by a TE actor, and a real SGLang server.
 
 Run on a machine with an NVIDIA GPU (H100 for FP8) with the GPU install (``make install-gpu``,
 docs/gpu.md), through the shell wrapper, which takes the Python to use:
@@ -15,18 +15,21 @@ failed, 1 otherwise. docs/gpu.md says what each result means.
 1. ``environment``: CUDA device and capability, torch, megatron-core, Transformer Engine, APEX, SGLang;
 2. ``local-bf16``: the local-spec actor trains in bf16 on CUDA (loss falls, no step skipped, weights
    and batches on the GPU, log-probs back on the CPU);
-3. ``te-bf16``: the same with the Transformer Engine spec the presets use;
-4. ``te-weight-sync``: the TE actor's weights through ``actor_hf_state`` into an HF model: every
+3. ``tp2``: with two GPUs, the actor (TE spec where TE imports, else the local one) at TP=2 over NCCL
+   (two processes) trains as the TP=1 actor on one GPU does from the same weights: loss and grad norm
+   agree in fp32 (``tensor_parallel_parity``); with fewer GPUs it is skipped;
+4. ``te-bf16``: ``local-bf16`` with the Transformer Engine spec the presets use;
+5. ``te-weight-sync``: the TE actor's weights through ``actor_hf_state`` into an HF model: every
    parameter mapped, and the HF model's log-probs agree with the actor's (TE↔HF agreement);
-5. ``te-load-converted``: ``winnow convert hf-to-megatron`` (megatron's local spec) of a small Llama
+6. ``te-load-converted``: ``winnow convert hf-to-megatron`` (megatron's local spec) of a small Llama
    and a small Qwen3 HF model loads into a TE-spec actor, as an rl stage starts: the TE norms'
    extra states the checkpoint lacks keep the actor's own, and its log-probs agree with the HF model's;
-6. ``fp8``: a TE + FP8 actor (``--fp8 delayed|current``) trains on one odd-shaped micro-batch
+7. ``fp8``: a TE + FP8 actor (``--fp8 delayed|current``) trains on one odd-shaped micro-batch
    (3 rows × 37 tokens, padded to a multiple of 16 tokens) and on the full batch;
-7. ``sglang``: a bf16 export served by a real SGLang server (``--dtype bfloat16``,
+8. ``sglang``: a bf16 export served by a real SGLang server (``--dtype bfloat16``,
    ``--enable-deterministic-inference`` so ``sampling_seed`` is honoured): its log-probs of its
    own samples match the actor's, and ``/update_weights_from_disk`` moves it to version 2;
-8. ``sglang-update-group``: an rl stage's weight push over SGLang's update group (``rollout.sync=distributed``,
+9. ``sglang-update-group``: an rl stage's weight push over SGLang's update group (``rollout.sync=distributed``,
    NCCL): the trainer engine from the backend table, ``sync_actor_to_engine``, and the server then serves the
    trained weights (its log-probs match the actor's).
 """
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
+import pickle
 import subprocess
 import sys
 import traceback
@@ -86,6 +91,115 @@ def _require_te() -> None:
 def expect(ok: bool, detail: str) -> None:
     if not ok:
         raise CheckFailed(detail)
+
+
+def require_gpus(count: int, purpose: str) -> None:
+    """SKIP (not FAIL) a check that needs ``count`` GPUs on a machine with fewer."""
+    available = torch.cuda.device_count()
+    if available < count:
+        raise _Skip(f"{available} GPU{'' if available == 1 else 's'}: {purpose} needs {count}")
+
+
+# ----------------------------------------------------------------------------- TP=2 against TP=1
+
+# fp32, not bf16: in fp32 a correct TP=2 step differs from the TP=1 one only by the order of its sums (the
+# row-parallel partial products summed across ranks, other GEMM shapes), ~1e-6 relative. In bf16 every weight
+# and the summed partial outputs are rounded to 8 bits of mantissa, and a correct layout already differs by
+# ~1e-3..1e-2, as much as a subtle layout bug would (one replicated parameter's gradient not reduced). The bf16
+# path on CUDA is local-bf16's. The first step is pure rounding (the CPU parity tests hold 1e-5 there); Adam's
+# m/(sqrt(v)+eps) then turns rounding in near-zero gradient coordinates into visible weight differences (2e-4
+# after three steps on CPU), so the later steps get 1e-3. On two gloo ranks this function's step 1 differs by < 1e-7.
+TP_PARITY_STEPS = 3
+TP_FIRST_STEP_RTOL = 1e-4
+TP_LATER_STEPS_RTOL = 1e-3
+
+
+def _tensor_parallel_rank(rank: int, result_dir: str, tensor_parallel: int, backend: str, port: int, spec, batch,
+                          weights: str, steps: int) -> None:
+    """One spawned rank of ``tensor_parallel_parity``: the trainer's own actor at ``tensor_parallel`` ranks.
+
+    The TP=1 run writes its initial weights to ``weights``; the TP=2 ranks load them (each its shard,
+    ``Actor.load_full_state_dict``). Each rank leaves its step results in ``result_dir``.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.config import OptimConfig, TrainerConfig
+    from pipeline.parallel.context import ParallelContext
+    from pipeline.trainer.actor import Actor
+    from pipeline.trainer.losses import CrossEntropyLoss
+
+    # fp32 means fp32 GEMMs: an image may turn TF32 on for them (NGC's TORCH_ALLOW_TF32_CUBLAS_OVERRIDE),
+    # whose 10-bit products would differ between the layouts by more than the tolerance.
+    torch.set_float32_matmul_precision("highest")
+    if backend == "gloo":
+        torch.set_num_threads(1)  # CPU ranks share few cores: more threads per rank only adds contention
+    context = ParallelContext.initialize(tensor_parallel=tensor_parallel, pipeline_parallel=1, seed=0, rank=rank,
+                                         world_size=tensor_parallel, local_rank=rank, master_addr="127.0.0.1",
+                                         master_port=port, backend=backend)
+    try:
+        actor = Actor(spec=spec, context=context, optim=OptimConfig(lr=1e-3), seed=0,
+                      trainer=TrainerConfig(micro_batch_tokens=8192, precision="fp32"))
+        if tensor_parallel == 1:
+            save_file({name: value.detach().cpu().contiguous() for name, value in actor.module.state_dict().items()
+                       if not name.endswith("_extra_state")}, weights)
+        else:
+            actor.load_full_state_dict(load_file(weights))
+        results = [actor.train_step(batch, CrossEntropyLoss()) for _ in range(steps)]
+        outcome = {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
+                   "skipped": [r.skipped for r in results], "spec": actor.layer_spec_choice.name,
+                   "device": str(next(actor.module.parameters()).device)}
+    finally:
+        context.destroy()
+    (Path(result_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(outcome))
+
+
+def tensor_parallel_parity(spec, batch, *, backend: str, workdir: Path, steps: int = TP_PARITY_STEPS,
+                           timeout_s: float = 300.0) -> str:
+    """The actor at TP=1 on one rank, then at TP=2 on two, from the same weights; loss and grad norm must agree.
+
+    Each layout runs in processes of its own (``run_ranks``: a fresh process group and megatron state), on
+    ``backend``: ``nccl`` puts rank r on GPU r (the smoke's ``tp2``), ``gloo`` on the CPU (its CPU test).
+    Returns the check's detail; raises ``CheckFailed`` naming the first step and rank that disagree.
+    """
+    from pipeline.parallel.launch import RankFailure, free_port, run_ranks
+
+    weights = workdir / "tp-parity-weights.safetensors"
+    weights.unlink(missing_ok=True)
+    runs: dict[int, list[dict]] = {}
+    for tensor_parallel in (1, 2):
+        try:
+            with run_ranks(_tensor_parallel_rank, args=(tensor_parallel, backend, free_port(), spec, batch,
+                                                        str(weights), steps),
+                           num_ranks=tensor_parallel, timeout_s=timeout_s,
+                           description=f"TP={tensor_parallel} on {backend}") as result_dir:
+                runs[tensor_parallel] = [pickle.loads((result_dir / f"rank{rank}.pkl").read_bytes())
+                                         for rank in range(tensor_parallel)]
+        except RankFailure as failure:
+            raise CheckFailed(f"{failure}\n{failure.detail}") from None
+    return compare_tensor_parallel(runs[1][0], runs[2])
+
+
+def compare_tensor_parallel(reference: dict, ranks: list[dict]) -> str:
+    """Every TP rank's losses and grad norms against the TP=1 run's, within ``TP_*_RTOL``; the check's detail."""
+    expect(not any(reference["skipped"]), f"TP=1 skipped steps {reference['skipped']}")
+    worst = {"loss": 0.0, "grad norm": 0.0}
+    for rank, result in enumerate(ranks):
+        expect(not any(result["skipped"]), f"TP=2 rank {rank} skipped steps {result['skipped']}")
+        for step, values in enumerate(zip(result["losses"], reference["losses"], result["grad_norms"],
+                                          reference["grad_norms"], strict=True)):
+            rtol = TP_FIRST_STEP_RTOL if step == 0 else TP_LATER_STEPS_RTOL
+            for what, got, expected in (("loss", *values[:2]), ("grad norm", *values[2:])):
+                relative = abs(got - expected) / max(abs(expected), 1e-12)
+                expect(math.isfinite(got) and relative <= rtol,
+                       f"step {step + 1}, TP=2 rank {rank}: {what} {got:.6g} vs TP=1 {expected:.6g} "
+                       f"(relative |Δ| {relative:.1e} > {rtol:g})")
+                worst[what] = max(worst[what], relative)
+    devices = sorted({result["device"] for result in ranks})
+    return (f"spec {reference['spec']}, fp32, TP=2 on {', '.join(devices)} vs TP=1 on {reference['device']}: "
+            f"loss {reference['losses'][0]:.4f} → {reference['losses'][-1]:.4f} in {len(reference['losses'])} "
+            f"steps, grad norm {reference['grad_norms'][0]:.4g}; largest relative |Δ| loss {worst['loss']:.1e}, "
+            f"grad norm {worst['grad norm']:.1e} (limits {TP_FIRST_STEP_RTOL:g} at step 1, "
+            f"{TP_LATER_STEPS_RTOL:g} after)")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -170,6 +284,11 @@ class Smoke:
         actor = self.actor(prefer_te=False)
         expect(actor.layer_spec_choice.name == "local", str(actor.layer_spec_choice))
         return self.train(actor)
+
+    def tp2(self) -> str:
+        """TP=2 over NCCL on GPUs 0 and 1 against TP=1 on GPU 0 (``tensor_parallel_parity``)."""
+        require_gpus(2, "TP=2")
+        return tensor_parallel_parity(self.spec, self.batch, backend="nccl", workdir=self.workdir)
 
     def te_bf16(self) -> str:
         _require_te()
@@ -395,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     run_check("setup", workdir, setup, needs=("environment",))
     for name, method, needs in (
         ("local-bf16", "local_bf16", ("setup",)),
+        ("tp2", "tp2", ("setup",)),
         ("te-bf16", "te_bf16", ("setup",)),
         ("te-weight-sync", "te_weight_sync", ("te-bf16",)),
         ("te-load-converted", "te_load_converted", ("setup",)),
