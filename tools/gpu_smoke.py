@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
-import pickle
 import subprocess
 import sys
 import traceback
@@ -145,12 +145,13 @@ def _tensor_parallel_rank(rank: int, result_dir: str, tensor_parallel: int, back
         else:
             actor.load_full_state_dict(load_file(weights))
         results = [actor.train_step(batch, CrossEntropyLoss()) for _ in range(steps)]
-        outcome = {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
+        outcome = {"losses": [float(r.loss) for r in results], "grad_norms": [float(r.grad_norm) for r in results],
                    "skipped": [r.skipped for r in results], "spec": actor.layer_spec_choice.name,
                    "device": str(next(actor.module.parameters()).device)}
     finally:
         context.destroy()
-    (Path(result_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(outcome))
+    # JSON, not pickle: the smoke's own rule for files it reads back (floats, bools and strings only).
+    (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(outcome))
 
 
 def tensor_parallel_parity(spec, batch, *, backend: str, workdir: Path, steps: int = TP_PARITY_STEPS,
@@ -172,7 +173,7 @@ def tensor_parallel_parity(spec, batch, *, backend: str, workdir: Path, steps: i
                                                         str(weights), steps),
                            num_ranks=tensor_parallel, timeout_s=timeout_s,
                            description=f"TP={tensor_parallel} on {backend}") as result_dir:
-                runs[tensor_parallel] = [pickle.loads((result_dir / f"rank{rank}.pkl").read_bytes())
+                runs[tensor_parallel] = [json.loads((result_dir / f"rank{rank}.json").read_text())
                                          for rank in range(tensor_parallel)]
         except RankFailure as failure:
             raise CheckFailed(f"{failure}\n{failure.detail}") from None
