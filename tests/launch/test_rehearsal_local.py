@@ -5,10 +5,10 @@ Llama 3 RoPE scaling, 128K vocabulary, TP=2 SGLang servers rehearsed as TP-1 sta
 from its published config; the events are played by the SLURM rehearsal of the 7B campaign.
 About 3-4 minutes and 190-280 CPU-seconds each on 2 cores, alone.
 
-In `make test` they run in the second pass, each on a worker of its own, as a process tree at a
-lower CPU priority (``REHEARSAL_NICENESS``): the SLURM rehearsal beside them is that pass's
-longest queue and mostly waits on the dev cluster's scheduling and its signal events, so the two
-campaigns take the cores it leaves idle instead of stretching it (docs/testing.md).
+In `make test` they run in the second pass, both at once from one test on one worker, as process
+trees at a lower CPU priority (``REHEARSAL_NICENESS``): the SLURM rehearsal beside them is that
+pass's longest queue and often waits on the dev cluster's scheduling and its signal events, so
+the two campaigns take the cores it leaves idle instead of stretching it (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -32,22 +32,35 @@ def _lower_priority() -> None:
     os.nice(REHEARSAL_NICENESS)
 
 
-@pytest.mark.parametrize("recipe", [
-    # One xdist group each: two workers, so the two campaigns share whatever cores the pass leaves.
-    pytest.param("qwen25-math-1.5b", marks=pytest.mark.xdist_group("rehearsal-qwen25-math-1.5b")),
-    pytest.param("llama31-8b", marks=pytest.mark.xdist_group("rehearsal-llama31-8b")),
-])
-def test_the_campaign_rehearses_here(recipe, tmp_path):
-    out = tmp_path / recipe
-    result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "launch", "campaign", "--recipe", recipe, "--rehearse",
-         "--rehearse-events", "off", "--rehearsal-dir", str(out)],
-        cwd=REPO, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=1700, check=False,
-        preexec_fn=_lower_priority)
-    report_file = out / "report.txt"
-    report = report_file.read_text() if report_file.is_file() else result.stdout[-4000:] + result.stderr[-4000:]
-    print(report)
-    assert result.returncode == 0, report + result.stderr[-4000:]
-    rows = dict(re.findall(r"^(\S+)\s+(PASS|FAIL|not run)\s", report, flags=re.M))
-    assert rows and set(rows.values()) == {"PASS"}, report
-    assert {"convert", "curate", "rl-default", "rl-grpo", "evaluate-default", "export-grpo"} <= set(rows)
+RECIPES = ("qwen25-math-1.5b", "llama31-8b")
+
+
+def test_the_campaigns_rehearse_here(tmp_path):
+    # Both at once, from one test: however xdist hands out the pass's tests, the two campaigns share
+    # the cores the pass leaves idle from its start, rather than one waiting behind the other.
+    launches = {}
+    for recipe in RECIPES:
+        log = (tmp_path / f"{recipe}.log").open("w")
+        launches[recipe] = (subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "launch", "campaign", "--recipe", recipe, "--rehearse",
+             "--rehearse-events", "off", "--rehearsal-dir", str(tmp_path / recipe)],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            preexec_fn=_lower_priority), log)
+    codes = {}
+    try:
+        for recipe, (process, _) in launches.items():
+            codes[recipe] = process.wait(timeout=1700)
+    finally:
+        for process, log in launches.values():
+            if process.poll() is None:
+                process.kill()
+            log.close()
+    for recipe in RECIPES:
+        report_file = tmp_path / recipe / "report.txt"
+        report = (report_file.read_text() if report_file.is_file()
+                  else (tmp_path / f"{recipe}.log").read_text()[-8000:])
+        print(report)
+        assert codes[recipe] == 0, f"{recipe}: exit {codes[recipe]}\n{report}"
+        rows = dict(re.findall(r"^(\S+)\s+(PASS|FAIL|not run)\s", report, flags=re.M))
+        assert rows and set(rows.values()) == {"PASS"}, report
+        assert {"convert", "curate", "rl-default", "rl-grpo", "evaluate-default", "export-grpo"} <= set(rows), report
