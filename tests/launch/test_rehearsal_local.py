@@ -3,7 +3,7 @@
 Qwen2.5-Math-1.5B (TP=2 trainer, Qwen2 with tied embeddings) and Llama-3.1-8B-Instruct (TP=4,
 Llama 3 RoPE scaling, 128K vocabulary, TP=2 SGLang servers rehearsed as TP-1 stand-ins), each
 from its published config; the events are played by the SLURM rehearsal of the 7B campaign.
-About 3-4 minutes and 190-280 CPU-seconds each on 2 cores, alone.
+Alone on 2 cores, the 1.5B one takes about 200 s and 190 CPU-seconds (its whole process tree).
 
 In `make test` they run in the second pass, both at once from one test on one worker, as process
 trees at a lower CPU priority (``REHEARSAL_NICENESS``): the SLURM rehearsal beside them is that
