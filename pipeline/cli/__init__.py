@@ -342,12 +342,10 @@ def _rehearse(plan, args: argparse.Namespace, *, profile) -> int:
 
     output_dir = args.rehearsal_dir
     events = args.rehearse_events == "on"
-    # Without the events one rl step shows what the checks need (a stream, a gradient), one stand-in per
-    # stage serves it (none is killed, so none need stand in for another), 2 problems a benchmark show
-    # every benchmark scored, and one grading worker keeps up; with them, the stop lands mid-run, the
-    # resumed steps are compared with an uninterrupted run, and a killed stand-in leaves another serving.
-    scale = (RehearsalScale() if events
-             else RehearsalScale(rl_steps=1, servers_per_node=1, eval_problems=2, grading_workers=1))
+    # Without the events one rl step shows what the checks need (a stream, a gradient) and one grading
+    # worker keeps up; with them, the stop lands mid-run and the resumed steps are compared with an
+    # uninterrupted run.
+    scale = RehearsalScale() if events else RehearsalScale(rl_steps=1, grading_workers=1)
     report = run_rehearsal(plan, output_dir=output_dir, executor=args.executor, profile=profile, events=events,
                            scale=scale, check_plan=lambda full_size: check_campaign_plan(
                                full_size, args, out=lambda line: print(f"  {line}")))

@@ -91,10 +91,19 @@ class RehearsalScale:
     rl_steps: int = 3
     prompts_per_step: int = 4
     group_size: int = 4
-    eval_problems: int = 4  # per benchmark, evaluate stages and the rl stages' held-out set
+    eval_problems: int = 2  # per benchmark, evaluate stages and the rl stages' held-out set
     eval_samples: int = 4
-    servers_per_node: int = 2
+    servers_per_node: int = 1  # stand-ins of a stage with servers: one serves a rehearsal's volumes
+    servers_killed_stage: int = 2  # the stage whose stand-in is killed: another serves while it restarts
+
+    @property
+    def ports_per_stage(self) -> int:
+        return max(self.servers_per_node, self.servers_killed_stage)
     grading_workers: int = 2
+    # The online DEPO estimator's AdamW steps per rl step and prompts per step: the recipes' 4 × 32 of
+    # MiniLM (22M parameters) take ~10 CPU-seconds a step here, on rank 0 while the others wait.
+    estimator_updates: int = 1
+    estimator_minibatch: int = 8
 
 
 @dataclass(slots=True)
@@ -153,7 +162,7 @@ def with_model(plan: CampaignPlan, *, model_dir: str, folder: Path) -> CampaignP
     return plan.with_paths_moved(model_dir.rstrip("/"), str(folder))
 
 
-def _scale_resources(resources: dict[str, Any], *, ranks: int, scale: RehearsalScale, notes: list[str]) -> None:
+def _scale_resources(resources: dict[str, Any], *, ranks: int, servers_here: int, notes: list[str]) -> None:
     gpus = resources["gpus_per_node"] * resources["nodes"]
     if gpus:
         notes.append(f"{resources['nodes']} nodes x {resources['gpus_per_node']} GPUs -> 1 node x {ranks} gloo "
@@ -162,7 +171,7 @@ def _scale_resources(resources: dict[str, Any], *, ranks: int, scale: RehearsalS
     rollout = resources.get("rollout")
     if rollout is not None:
         servers = rollout["nodes"] * rollout["servers_per_node"]
-        kept = min(servers, scale.servers_per_node)
+        kept = min(servers, servers_here)
         notes.append(f"{servers} SGLang servers (TP {rollout['tensor_parallel']}) on {rollout['nodes']} node(s) -> "
                      f"{kept} CPU stand-ins (TP 1) beside the trainer")
         rollout.update(nodes=1, servers_per_node=kept, server="standin", colocated=True, tensor_parallel=1,
@@ -189,13 +198,15 @@ def _scaled(config: dict[str, Any], path: str, value: Any, notes: list[str]) -> 
         target[key] = value
 
 
-def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path, port: int
+def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path, port: int, killed: bool = False
                     ) -> tuple[Stage, list[str]]:
     """One stage as the rehearsal runs it, and what changed (the report's ``scaled`` column).
 
     Its stand-in servers listen from ``port`` on (stages a cluster runs at once, on nodes of their
-    own, share the one node here) and log each request to ``request_logs/<stage>.jsonl``.
+    own, share the one node here) and log each request to ``request_logs/<stage>.jsonl``; the
+    stage on which a stand-in is killed (``killed``) gets ``scale.servers_killed_stage`` of them.
     """
+    servers_here = scale.servers_killed_stage if killed else scale.servers_per_node
     config = configlib.to_dict(stage.config)
     resources = configlib.to_dict(stage.resources)
     notes: list[str] = []
@@ -229,6 +240,9 @@ def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path, 
         if config["algorithm"]["depo"]["zero_variance_samples"] is not None:
             _scaled(config, "algorithm.depo.zero_variance_samples",
                     min(config["algorithm"]["depo"]["zero_variance_samples"], ada_seq["max_samples"]), notes)
+        depo = config["algorithm"]["depo"]
+        _scaled(config, "algorithm.depo.minibatches", min(depo["minibatches"], scale.estimator_updates), notes)
+        _scaled(config, "algorithm.depo.minibatch_size", min(depo["minibatch_size"], scale.estimator_minibatch), notes)
         _scaled(config, "eval_limit", scale.eval_problems, notes)
         _scaled(config, "eval_samples", min(config["eval_samples"], 2), notes)
         _scaled(config, "reward.num_workers", scale.grading_workers, notes)
@@ -237,7 +251,7 @@ def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path, 
         rollout = config["rollout"]
         servers = resources.get("rollout")
         if servers is not None:
-            _scaled(config, "rollout.min_servers", min(rollout["min_servers"], scale.servers_per_node), notes)
+            _scaled(config, "rollout.min_servers", min(rollout["min_servers"], servers_here), notes)
             _scaled(config, "rollout.server_tensor_parallel", 1, notes)  # a stand-in plays one update-group rank
     elif stage.kind == "evaluate":
         _scaled(config, "eval.limit", scale.eval_problems, notes)
@@ -246,7 +260,7 @@ def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path, 
         _scaled(config, "eval.bootstrap_samples", min(config["eval"]["bootstrap_samples"], 100), notes)
         _scaled(config, "reward.num_workers", scale.grading_workers, notes)
         _cpu(config, notes)
-    _scale_resources(resources, ranks=ranks, scale=scale, notes=notes)
+    _scale_resources(resources, ranks=ranks, servers_here=servers_here, notes=notes)
     if resources.get("rollout") is not None:
         resources["rollout"]["port"] = port
         resources["rollout"]["extra_args"] = [*resources["rollout"]["extra_args"], "--request-log",
@@ -258,17 +272,19 @@ def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path, 
     return rehearsed, notes
 
 
-def rehearsal_plan(plan: CampaignPlan, *, scale: RehearsalScale, request_logs: Path, first_port: int = FIRST_PORT
-                   ) -> tuple[CampaignPlan, dict[str, list[str]]]:
+def rehearsal_plan(plan: CampaignPlan, *, scale: RehearsalScale, request_logs: Path, first_port: int = FIRST_PORT,
+                   killed: str | None = None) -> tuple[CampaignPlan, dict[str, list[str]]]:
     """Every stage of ``plan`` as the rehearsal runs it (model paths already replaced), with the changes.
 
-    Stage ``i``'s stand-ins listen from ``first_port + i × scale.servers_per_node`` on.
+    Stage ``i``'s stand-ins listen from ``first_port + i × scale.ports_per_stage`` on; stage
+    ``killed`` (the one a stand-in is killed in) has more of them.
     """
     request_logs.mkdir(parents=True, exist_ok=True)
     stages, changes = [], {}
     for index, stage in enumerate(plan.stages):
-        stage_port = first_port + index * scale.servers_per_node
-        rehearsed, notes = rehearsal_stage(stage, scale=scale, request_logs=request_logs, port=stage_port)
+        stage_port = first_port + index * scale.ports_per_stage
+        rehearsed, notes = rehearsal_stage(stage, scale=scale, request_logs=request_logs, port=stage_port,
+                                           killed=stage.name == killed)
         stages.append(rehearsed)
         changes[stage.name] = notes
     stages = [_on_answered_prompts(stage, stages, changes[stage.name]) for stage in stages]
@@ -559,15 +575,15 @@ def run_rehearsal(plan: CampaignPlan, *, output_dir: str | Path, check_plan: Cal
 
     # 3. The plan the rehearsal runs.
     # One port block: every stage's stand-ins, then the control run's.
-    first_port = free_port_block((len(plan.stages) + 1) * scale.servers_per_node)
-    control_port = first_port + len(plan.stages) * scale.servers_per_node
-    rehearsed, changes = rehearsal_plan(with_model(plan, model_dir=source, folder=model_folder), scale=scale,
-                                        request_logs=root / "requests", first_port=first_port)
-    options = LaunchOptions(executor=executor, profile=profile, wait=True, poll_s=2.0)
-    rl_names = [stage.name for stage in rehearsed.order() if stage.kind == "rl"]
-    served = [name for name in rl_names if rehearsed.stage(name).resources.rollout is not None]
+    # The events' stages: the first rl variant with servers is stopped, a stand-in of the second killed.
+    served = [stage.name for stage in plan.order() if stage.kind == "rl" and stage.resources.rollout is not None]
     stop_stage = served[0] if events and served else None
     kill_stage = served[1] if events and len(served) > 1 else None  # one variant: only the stop is played
+    first_port = free_port_block((len(plan.stages) + 1) * scale.ports_per_stage)
+    control_port = first_port + len(plan.stages) * scale.ports_per_stage
+    rehearsed, changes = rehearsal_plan(with_model(plan, model_dir=source, folder=model_folder), scale=scale,
+                                        request_logs=root / "requests", first_port=first_port, killed=kill_stage)
+    options = LaunchOptions(executor=executor, profile=profile, wait=True, poll_s=2.0)
     if stop_stage is not None:
         control = control_stage(rehearsed.stage(stop_stage), root=root / "control", port=control_port)
         rehearsed = CampaignPlan(name=rehearsed.name, output_dir=rehearsed.output_dir,

@@ -62,10 +62,16 @@ def test_the_rehearsal_plan_changes_only_hardware_servers_and_volumes(tmp_path: 
     assert source == "/models/Llama-3.1-8B-Instruct"
     moved = with_model(rebased(plan, tmp_path / "campaign"), model_dir=source, folder=tmp_path / "model")
     assert source not in json.dumps(moved.to_dict()) and str(tmp_path / "cluster") not in json.dumps(moved.to_dict())
-    rehearsed, changes = rehearsal_plan(moved, scale=RehearsalScale(), request_logs=tmp_path / "requests")
+    rehearsed, changes = rehearsal_plan(moved, scale=RehearsalScale(), request_logs=tmp_path / "requests",
+                                        killed="rl-grpo")
     served = [stage.resources.rollout for stage in rehearsed.stages if stage.resources.rollout is not None]
     ports = [server.port + i for server in served for i in range(server.servers_per_node)]
     assert len(ports) == len(set(ports))  # stages the cluster runs at once share this one node
+    # One stand-in a stage, two where one is killed (the other serves while it restarts).
+    assert {stage.name: stage.resources.rollout.servers_per_node for stage in rehearsed.stages
+            if stage.resources.rollout is not None} == {"curate": 1, "rl-default": 1, "rl-grpo": 2,
+                                                         "evaluate-default": 1, "evaluate-grpo": 1}
+    assert rehearsed.stage("rl-grpo").config.rollout.min_servers <= 2
     curate = moved.stage("curate").config
     for before, after in zip(moved.stages, rehearsed.stages):
         assert (after.name, after.kind) == (before.name, before.kind)
@@ -83,6 +89,10 @@ def test_the_rehearsal_plan_changes_only_hardware_servers_and_volumes(tmp_path: 
             assert after.config.max_new_tokens == before.config.max_new_tokens  # context is never scaled
             assert after.config.rollout.sync == "distributed"  # the cluster's transport
             assert any(note.startswith("DP 4 -> 1") for note in changes[after.name])
+            # The online DEPO estimator's volume, like the policy's: one small update a step.
+            depo = after.config.algorithm.depo
+            assert (depo.minibatches, depo.minibatch_size) == (1, 8), changes[after.name]
+            assert "algorithm.depo.minibatches 4 -> 1" in changes[after.name]
         if after.kind in ("curate", "evaluate"):
             budget = after.config.max_new_tokens if after.kind == "curate" else after.config.eval.max_new_tokens
             before_budget = (before.config.max_new_tokens if after.kind == "curate"
