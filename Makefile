@@ -29,14 +29,15 @@ demo: install
 # Two passes (docs/testing.md). First the single-process tests on two xdist workers, one file per
 # worker at a time (module fixtures are built once), files with slow tests first in the order
 # tests/conftest.py gives them (not xdist's biggest-file-first). Then the tests that share the
-# SLURM dev cluster or start several busy processes (the serial and distributed markers) on two
-# workers: the tests/slurm ones stay together on one worker with the session's dev cluster, the
-# SLURM rehearsal of the H100 campaign (with its SIGUSR1 and killed-server events) first, while
-# the other worker takes the multi-rank tests one at a time. Both passes run even when the first
-# fails; any failure fails the target. The in-process rehearsals of qwen25-math-1.5b and
-# llama31-8b: `make test-rehearsals` (beside these, the suite took 24.2 and 25.2 minutes on 2 cores).
+# SLURM dev cluster, start several busy processes or rehearse a campaign (the serial, distributed
+# and rehearsal markers) on three workers: the tests/slurm ones stay together on one worker with the
+# session's dev cluster, the SLURM rehearsal of the H100 campaign (with its SIGUSR1 and
+# killed-server events) first; one test on the second runs the in-process rehearsals of
+# qwen25-math-1.5b and llama31-8b side by side at a lower CPU priority, filling the cores the SLURM
+# tests leave idle; the third worker takes the multi-rank tests one at a time. Both passes run even when the first fails; any
+# failure fails the target.
 PARALLEL_TESTS := -m "not distributed and not serial and not campaign and not rehearsal" -n 2 --dist loadfile --no-loadscope-reorder
-SIDE_BY_SIDE_TESTS := -m "(distributed or serial) and not campaign" -n 2 --dist loadgroup --no-loadscope-reorder
+SIDE_BY_SIDE_TESTS := -m "(distributed or serial or rehearsal) and not campaign" -n 3 --dist loadgroup --no-loadscope-reorder
 
 test: install
 	status=0; \
@@ -46,7 +47,7 @@ test: install
 
 # The three campaign rehearsals (the SLURM one, qwen25-math-1.5b and llama31-8b in process), side by side.
 test-rehearsals: install
-	$(BIN)/python -m pytest -m "rehearsal and not campaign" -n 2 --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest -m "rehearsal and not campaign" -n 3 --dist loadgroup --no-loadscope-reorder
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow and not campaign"

@@ -5,10 +5,10 @@ Llama 3 RoPE scaling, 128K vocabulary, TP=2 SGLang servers rehearsed as TP-1 sta
 from its published config; the events are played by the SLURM rehearsal of the 7B campaign.
 Alone on 2 cores, the 1.5B one takes about 200 s and 190 CPU-seconds (its whole process tree).
 
-They run in `make test-rehearsals`, not `make test` (beside its second pass the suite took
-24.2-25.2 minutes on 2 cores; docs/testing.md): both at once from one test, as process trees at a
-lower CPU priority (``REHEARSAL_NICENESS``), so that beside the SLURM rehearsal they take the
-cycles it leaves rather than stretching it.
+In `make test` they run in the second pass, both at once from one test on one worker, as process
+trees at a lower CPU priority (``REHEARSAL_NICENESS``): the SLURM rehearsal beside them is that
+pass's longest queue and often waits on the dev cluster's scheduling and its signal events, so
+the two campaigns take the cores it leaves idle instead of stretching it (docs/testing.md).
 """
 
 from __future__ import annotations
