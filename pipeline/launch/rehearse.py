@@ -95,15 +95,16 @@ class RehearsalScale:
     eval_samples: int = 4
     servers_per_node: int = 1  # stand-ins of a stage with servers: one serves a rehearsal's volumes
     servers_killed_stage: int = 2  # the stage whose stand-in is killed: another serves while it restarts
-
-    @property
-    def ports_per_stage(self) -> int:
-        return max(self.servers_per_node, self.servers_killed_stage)
     grading_workers: int = 2
     # The online DEPO estimator's AdamW steps per rl step and prompts per step: the recipes' 4 × 32 of
     # MiniLM (22M parameters) take ~10 CPU-seconds a step here, on rank 0 while the others wait.
     estimator_updates: int = 1
     estimator_minibatch: int = 8
+
+    @property
+    def ports_per_stage(self) -> int:
+        """Ports a stage's stand-ins may take: its stand-ins, or the killed stage's if more."""
+        return max(self.servers_per_node, self.servers_killed_stage)
 
 
 @dataclass(slots=True)
