@@ -4,7 +4,7 @@
 
 ``worker(rank, world_size, *args)`` runs in a fresh process with torchrun's
 environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT`` on a free port) set; it initializes the process group itself
+``MASTER_PORT`` on a port reserved until the ranks are done) set; it initializes the process group itself
 (normally through ``ParallelContext.initialize``). Its return value must be
 picklable; ``results[r]`` is rank ``r``'s. If any rank raises, the others are
 terminated and the test fails with that rank's traceback. A run that exceeds
@@ -26,11 +26,10 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.parallel.launch import RankFailure, free_port, run_ranks
+from pipeline.parallel.launch import RankFailure, run_ranks
+from pipeline.parallel.rendezvous import reserved_port
 
-__all__ = ["RankFailed", "find_free_port", "run_distributed"]
-
-find_free_port = free_port
+__all__ = ["RankFailed", "reserved_port", "run_distributed"]
 
 
 class RankFailed(AssertionError):
@@ -72,8 +71,9 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``worker(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results."""
     try:
-        with run_ranks(_entry, args=(worker, world_size, free_port(), args, time.time() + timeout_s),
-                       num_ranks=world_size, timeout_s=timeout_s, description=f"{world_size} rank(s)") as result_dir:
+        with reserved_port() as port, run_ranks(_entry, args=(worker, world_size, port, args, time.time() + timeout_s),
+                                                num_ranks=world_size, timeout_s=timeout_s,
+                                                description=f"{world_size} rank(s)") as result_dir:
             results = []
             for rank in range(world_size):
                 with (result_dir / f"rank{rank}.pkl").open("rb") as f:
@@ -87,11 +87,11 @@ def run_distributed(
 
 @contextlib.contextmanager
 def one_rank_context(*, seed: int = 0):
-    """A one-rank gloo ``ParallelContext`` on a free local port, torn down on exit (module fixtures)."""
+    """A one-rank gloo ``ParallelContext`` (an in-process store), torn down on exit (module fixtures)."""
     from pipeline.parallel.context import ParallelContext
 
     ctx = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=seed, rank=0, world_size=1,
-                                     master_addr="127.0.0.1", master_port=free_port(), backend="gloo")
+                                     backend="gloo")
     try:
         yield ctx
     finally:

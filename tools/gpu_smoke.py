@@ -162,17 +162,18 @@ def tensor_parallel_parity(spec, batch, *, backend: str, workdir: Path, steps: i
     ``backend``: ``nccl`` puts rank r on GPU r (the smoke's ``tp2``), ``gloo`` on the CPU (its CPU test).
     Returns the check's detail; raises ``CheckFailed`` naming the first step and rank that disagree.
     """
-    from pipeline.parallel.launch import RankFailure, free_port, run_ranks
+    from pipeline.parallel.launch import RankFailure, run_ranks
+    from pipeline.parallel.rendezvous import reserved_port
 
     weights = workdir / "tp-parity-weights.safetensors"
     weights.unlink(missing_ok=True)
     runs: dict[int, list[dict]] = {}
     for tensor_parallel in (1, 2):
         try:
-            with run_ranks(_tensor_parallel_rank, args=(tensor_parallel, backend, free_port(), spec, batch,
-                                                        str(weights), steps),
-                           num_ranks=tensor_parallel, timeout_s=timeout_s,
-                           description=f"TP={tensor_parallel} on {backend}") as result_dir:
+            with reserved_port() as port, run_ranks(
+                _tensor_parallel_rank, args=(tensor_parallel, backend, port, spec, batch, str(weights), steps),
+                num_ranks=tensor_parallel, timeout_s=timeout_s, description=f"TP={tensor_parallel} on {backend}",
+            ) as result_dir:
                 runs[tensor_parallel] = [json.loads((result_dir / f"rank{rank}.json").read_text())
                                          for rank in range(tensor_parallel)]
         except RankFailure as failure:

@@ -26,7 +26,7 @@ from pipeline.checkpoint.artifact import load_weights
 from pipeline.errors import CheckpointError
 from pipeline.models.spec import ModelSpec
 from pipeline.parallel.launch import RankFailure, run_ranks
-from pipeline.parallel.rendezvous import free_port
+from pipeline.parallel.rendezvous import reserved_port
 
 __all__ = [
     "GATE_ATOL",
@@ -195,9 +195,11 @@ def layout_logits(
     world_size = tensor_parallel * pipeline_parallel
     where = f"TP={tensor_parallel}, PP={pipeline_parallel}"
     try:
-        with run_ranks(_layout_worker, args=(world_size, tensor_parallel, pipeline_parallel, free_port(),
-                                             str(step_dir), spec.to_dict(), input_ids),
-                       num_ranks=world_size, timeout_s=timeout_s, description=f"layout check under {where}") as result_dir:
+        with reserved_port() as port, run_ranks(
+            _layout_worker, args=(world_size, tensor_parallel, pipeline_parallel, port, str(step_dir), spec.to_dict(),
+                                  input_ids),
+            num_ranks=world_size, timeout_s=timeout_s, description=f"layout check under {where}",
+        ) as result_dir:
             shards = sorted(result_dir.glob("logits_tp*.pt"))
             assert len(shards) == tensor_parallel, f"expected {tensor_parallel} logit shards, got {len(shards)}"
             return torch.cat([torch.load(path, weights_only=True) for path in shards], dim=-1)  # (B, T, V)

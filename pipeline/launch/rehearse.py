@@ -38,7 +38,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -51,37 +50,12 @@ from pipeline import configlib
 from pipeline.errors import UserError
 from pipeline.launch.campaign import CampaignPlan, CampaignStatus, Stage
 from pipeline.launch.rehearsal_model import RehearsalModel, build_rehearsal_model, fit_answers, published_config
+from pipeline.parallel.rendezvous import reserved_port_block
 
 # Metrics columns that differ between two runs of the same steps for reasons of time, not of content.
 TIMING_PREFIXES = ("time/", "rollout/seconds", "throughput", "mfu", "perf/")
 TIMING_KEYS = frozenset({"wall_s", "elapsed_s", "timestamp", "time"})
 CONTROL_SUFFIX = "-control"  # the uninterrupted copy of the stage the stop event is played on
-# Where a rehearsal looks for its stand-ins' ports: a free block per rehearsal (several may run on one
-# machine), each stage with servers a range of its own in it (stages a cluster runs at once share this node).
-FIRST_PORT = 31000
-LAST_PORT = 60000
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_block(count: int) -> int:
-    """The first port of ``count`` free consecutive ports; the search starts at a place of this process's own."""
-    span = LAST_PORT - FIRST_PORT - count
-    start = FIRST_PORT + (os.getpid() * 97) % span
-    for offset in range(0, span, count):
-        base = FIRST_PORT + (start - FIRST_PORT + offset) % span
-        if all(_port_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError(f"no {count} free consecutive ports between {FIRST_PORT} and {LAST_PORT}")
-
-
 @dataclass(frozen=True, slots=True)
 class RehearsalScale:
     """How much less of everything a rehearsal runs (never token budgets or positions)."""
@@ -273,11 +247,12 @@ def rehearsal_stage(stage: Stage, *, scale: RehearsalScale, request_logs: Path, 
     return rehearsed, notes
 
 
-def rehearsal_plan(plan: CampaignPlan, *, scale: RehearsalScale, request_logs: Path, first_port: int = FIRST_PORT,
+def rehearsal_plan(plan: CampaignPlan, *, scale: RehearsalScale, request_logs: Path, first_port: int,
                    killed: str | None = None) -> tuple[CampaignPlan, dict[str, list[str]]]:
     """Every stage of ``plan`` as the rehearsal runs it (model paths already replaced), with the changes.
 
-    Stage ``i``'s stand-ins listen from ``first_port + i × scale.ports_per_stage`` on; stage
+    Stage ``i``'s stand-ins listen from ``first_port + i × scale.ports_per_stage`` on (a block the
+    caller holds: ``reserved_port_block``); stage
     ``killed`` (the one a stand-in is killed in) has more of them.
     """
     request_logs.mkdir(parents=True, exist_ok=True)
@@ -575,33 +550,35 @@ def run_rehearsal(plan: CampaignPlan, *, output_dir: str | Path, check_plan: Cal
     report.model = model
 
     # 3. The plan the rehearsal runs.
-    # One port block: every stage's stand-ins, then the control run's.
     # The events' stages: the first rl variant with servers is stopped, a stand-in of the second killed.
     served = [stage.name for stage in plan.order() if stage.kind == "rl" and stage.resources.rollout is not None]
     stop_stage = served[0] if events and served else None
     kill_stage = served[1] if events and len(served) > 1 else None  # one variant: only the stop is played
-    first_port = free_port_block((len(plan.stages) + 1) * scale.ports_per_stage)
-    control_port = first_port + len(plan.stages) * scale.ports_per_stage
-    rehearsed, changes = rehearsal_plan(with_model(plan, model_dir=source, folder=model_folder), scale=scale,
-                                        request_logs=root / "requests", first_port=first_port, killed=kill_stage)
-    options = LaunchOptions(executor=executor, profile=profile, wait=True, poll_s=2.0)
-    if stop_stage is not None:
-        control = control_stage(rehearsed.stage(stop_stage), root=root / "control", port=control_port)
-        rehearsed = CampaignPlan(name=rehearsed.name, output_dir=rehearsed.output_dir,
-                                 stages=[*rehearsed.stages, control])
-        changes[control.name] = [f"an uninterrupted copy of {stop_stage}, whose rows its resumed run must equal"]
-    report.rows = {stage.name: StageRow(name=stage.name, kind=stage.kind, scaled=changes[stage.name])
-                   for stage in rehearsed.order()}
-    player = EventPlayer(rehearsed, stop_stage=stop_stage, kill_stage=kill_stage, executor=executor, out=out)
-    player.start()
-    try:
-        for attempt in range(3):  # a signalled stop ends a local launch; relaunching resumes it
-            result = launch_campaign(rehearsed, options=options, out=out)
-            if result.ok or not any(state == "pending" for state in result.states.values()) or result.blocked:
-                break
-    finally:
-        player.done.set()
-        player.join()
+    # One port block, held until the launches end (ports a stand-in restarts on stay its own): every stage's
+    # stand-ins, then the control run's.
+    with reserved_port_block((len(plan.stages) + 1) * scale.ports_per_stage) as first_port:
+        control_port = first_port + len(plan.stages) * scale.ports_per_stage
+        rehearsed, changes = rehearsal_plan(with_model(plan, model_dir=source, folder=model_folder), scale=scale,
+                                            request_logs=root / "requests", first_port=first_port, killed=kill_stage)
+        options = LaunchOptions(executor=executor, profile=profile, wait=True, poll_s=2.0)
+        if stop_stage is not None:
+            control = control_stage(rehearsed.stage(stop_stage), root=root / "control", port=control_port)
+            rehearsed = CampaignPlan(name=rehearsed.name, output_dir=rehearsed.output_dir,
+                                     stages=[*rehearsed.stages, control])
+            changes[control.name] = [f"an uninterrupted copy of {stop_stage}, whose rows its resumed run must equal"]
+        report.rows = {stage.name: StageRow(name=stage.name, kind=stage.kind, scaled=changes[stage.name])
+                       for stage in rehearsed.order()}
+        player = EventPlayer(rehearsed, stop_stage=stop_stage, kill_stage=kill_stage, executor=executor, out=out)
+        player.start()
+        try:
+            for attempt in range(3):  # a signalled stop ends a local launch; relaunching resumes it
+                result = launch_campaign(rehearsed, options=options, out=out)
+                if result.ok or not any(state == "pending" for state in result.states.values()) or result.blocked:
+                    break
+        finally:
+            player.done.set()
+            player.join()
+
     report.notes += [f"event, {name}: {what}" for name, what in player.played.items()]
     for name in (stop_stage, kill_stage):
         if name and name not in player.played:

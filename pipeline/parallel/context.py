@@ -79,7 +79,8 @@ class ParallelContext:
 
         ``rank``/``world_size``/``local_rank``/``master_addr``/``master_port``
         default to torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-        ``MASTER_ADDR`` and ``MASTER_PORT``. An already initialized default
+        ``MASTER_ADDR`` and ``MASTER_PORT``; a one-rank group needs no address (an
+        in-process store). An already initialized default
         process group is reused (and then left alone by ``destroy``).
         ``data_parallel`` is derived as ``world_size / (TP * PP * CP)``; when
         given it must match. ``backend`` defaults to NCCL with CUDA, gloo without; it
@@ -106,7 +107,7 @@ class ParallelContext:
                 )
             master_addr = master_addr or os.environ.get("MASTER_ADDR")
             master_port = master_port or _from_env(None, "MASTER_PORT")
-            if master_addr is None or master_port is None:
+            if (master_addr is None or master_port is None) and world_size != 1:
                 raise ValueError("master_addr/master_port: pass them or set MASTER_ADDR and MASTER_PORT")
         else:
             if rank is not None and rank != dist.get_rank():
@@ -135,12 +136,15 @@ class ParallelContext:
             # when someone else brought the process group up.
             torch.cuda.set_device(local_rank)
         if owns_process_group:
+            # A one-rank group without an address meets nobody: an in-process store, no port to race for.
+            rendezvous = ({"init_method": f"tcp://{master_addr}:{master_port}"}
+                          if master_addr is not None and master_port is not None else {"store": dist.HashStore()})
             dist.init_process_group(
                 backend=backend,
-                init_method=f"tcp://{master_addr}:{master_port}",
                 rank=rank,
                 world_size=world_size,
                 timeout=timedelta(minutes=timeout_minutes),
+                **rendezvous,
             )
         enabled_cpu_compat = False
         if device.type == "cpu":

@@ -11,7 +11,9 @@ gone. torch's own death signal for spawned ranks is SIGINT, which a rank inside 
 does not act on and which runs its ``except``/``finally`` blocks, and it is set with no
 check for a parent that died while the rank was still importing torch.
 The caller's entry point must guard its main code with ``if __name__ == "__main__":``
-— spawned ranks re-import it.
+— spawned ranks re-import it. Ranks that form a process group get their port from
+``reserved_port``, held around the whole ``run_ranks`` block: rank 0 binds it seconds after the
+spawn, and a port that was merely free when picked may be gone by then.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from pipeline.parallel.lifetime import exit_with_parent
-from pipeline.parallel.rendezvous import free_port
+from pipeline.parallel.rendezvous import reserved_port
 
-__all__ = ["RankFailure", "free_port", "run_ranks"]
+__all__ = ["RankFailure", "reserved_port", "run_ranks"]
 
 
 class RankFailure(RuntimeError):

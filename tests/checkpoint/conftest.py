@@ -6,7 +6,6 @@ from typing import Any, Iterator
 
 import pytest
 
-from pipeline.parallel.launch import free_port
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +20,6 @@ def megatron_single_rank() -> Iterator[Any]:
         rank=0,
         world_size=1,
         local_rank=0,
-        master_addr="127.0.0.1",
-        master_port=free_port(),
         backend="gloo",
     )
     try:

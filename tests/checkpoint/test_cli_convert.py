@@ -25,7 +25,7 @@ from pipeline.checkpoint.hf_io import GENERATION_CONFIG_FILE, HFCheckpointReader
 from pipeline.cli.convert import build_parser, main, parse_size
 from pipeline.models.spec import ModelSpec
 from tests.checkpoint.tiny_models import build_hf_model, tiny_spec
-from tests.distributed_utils import find_free_port, run_distributed
+from tests.distributed_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = tiny_spec("llama", tie_embeddings=False, num_query_groups=2)
@@ -102,8 +102,7 @@ def single_rank():
     from pipeline.parallel.context import ParallelContext
 
     context = ParallelContext.initialize(
-        tensor_parallel=1, pipeline_parallel=1, seed=4321, rank=0, world_size=1, local_rank=0,
-        master_addr="127.0.0.1", master_port=find_free_port(), backend="gloo",
+        tensor_parallel=1, pipeline_parallel=1, seed=4321, rank=0, world_size=1, local_rank=0, backend="gloo",
     )
     try:
         yield context

@@ -63,7 +63,7 @@ def test_the_rehearsal_plan_changes_only_hardware_servers_and_volumes(tmp_path: 
     moved = with_model(rebased(plan, tmp_path / "campaign"), model_dir=source, folder=tmp_path / "model")
     assert source not in json.dumps(moved.to_dict()) and str(tmp_path / "cluster") not in json.dumps(moved.to_dict())
     rehearsed, changes = rehearsal_plan(moved, scale=RehearsalScale(), request_logs=tmp_path / "requests",
-                                        killed="rl-grpo")
+                                        first_port=12000, killed="rl-grpo")
     served = [stage.resources.rollout for stage in rehearsed.stages if stage.resources.rollout is not None]
     ports = [server.port + i for server in served for i in range(server.servers_per_node)]
     assert len(ports) == len(set(ports))  # stages the cluster runs at once share this one node
@@ -122,17 +122,3 @@ def test_metric_rows_drop_timing_and_keep_the_last_row_of_each_step(tmp_path: Pa
             {"step": 2, "grad_norm": 0.5, "time/update": 9.0}, {"step": 0, "eval/pass@1": 0.1}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert metric_rows(path) == [{"step": 1, "grad_norm": 1.0}, {"step": 2, "grad_norm": 0.5}]
-
-
-def test_a_port_block_holds_only_free_ports_and_skips_a_taken_one() -> None:
-    import socket
-
-    from pipeline.launch.rehearse import _port_free, free_port_block
-
-    base = free_port_block(6)
-    assert all(_port_free(base + i) for i in range(6))
-    with socket.socket() as taken:
-        taken.bind(("", base + 3))
-        taken.listen()
-        other = free_port_block(6)
-        assert not base + 3 in range(other, other + 6)

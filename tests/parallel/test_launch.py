@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from pipeline.parallel.launch import RankFailure, free_port, run_ranks
+from pipeline.parallel.launch import RankFailure, run_ranks
 
 
 def _write_square(rank: int, result_dir: str, base: int) -> None:
@@ -46,9 +45,3 @@ def test_a_hung_rank_times_out_and_is_terminated():
         with run_ranks(_hang, args=(), num_ranks=1, timeout_s=2, description="hang"):
             pytest.fail("the block must not run when a rank hung")
     assert time.monotonic() - started < 30  # not the worker's 60 s: it was terminated
-
-
-def test_free_port_can_be_bound():
-    port = free_port()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", port))

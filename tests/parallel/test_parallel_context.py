@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed_utils import find_free_port, run_distributed
+from tests.distributed_utils import reserved_port, run_distributed
 
 VOCAB, HIDDEN, NUM_TOKENS = 64, 16, 10
 RTOL, ATOL = 1e-5, 1e-6
@@ -147,7 +147,8 @@ def _layouts_worker(rank: int, world_size: int, second_port: int, third_port: in
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_distributed(_layouts_worker, world_size=2, args=(find_free_port(), find_free_port()))
+    with reserved_port() as second_port, reserved_port() as third_port:
+        return run_distributed(_layouts_worker, world_size=2, args=(second_port, third_port))
 
 
 @pytest.mark.distributed
@@ -256,12 +257,12 @@ def test_initialize_argument_errors(monkeypatch):
     if not torch.distributed.is_initialized():
         with pytest.raises(ValueError, match="rank/world_size"):
             ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=0)
+        # Ranks of a larger group must meet somewhere; a one-rank group needs no address.
         with pytest.raises(ValueError, match="master_addr/master_port"):
-            ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=0, rank=0, world_size=1)
+            ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=0, rank=0, world_size=2)
         # The layout is validated before the process group comes up.
         with pytest.raises(ValueError, match="does not divide world_size=1"):
-            ParallelContext.initialize(tensor_parallel=2, pipeline_parallel=1, seed=0, rank=0, world_size=1,
-                                       master_addr="127.0.0.1", master_port=find_free_port())
+            ParallelContext.initialize(tensor_parallel=2, pipeline_parallel=1, seed=0, rank=0, world_size=1)
         assert not torch.distributed.is_initialized()
         monkeypatch.setenv("RANK", "zero")
         with pytest.raises(ValueError, match="RANK: expected an integer"):

@@ -54,7 +54,7 @@ def _load_policy_worker(rank: int, world_size: int, hf_dir: str, run_dir: str) -
     from pipeline.checkpoint.convert import hf_to_megatron
     from pipeline.eval.policy import load_policy
     from pipeline.parallel.context import ParallelContext
-    from pipeline.parallel.rendezvous import free_port, process_group_initialized, single_rank_megatron
+    from pipeline.parallel.rendezvous import process_group_initialized, single_rank_megatron
 
     hf_to_megatron(hf=hf_dir, out=run_dir, verify=False)  # its own one-rank layout, torn down again
     shutil.copytree(Path(hf_dir) / "tokenizer", Path(run_dir) / "tokenizer")
@@ -72,8 +72,7 @@ def _load_policy_worker(rank: int, world_size: int, hf_dir: str, run_dir: str) -
 
     # A process that already runs a one-rank megatron layout: the load reuses it and leaves it up.
     context = ParallelContext.initialize(tensor_parallel=1, pipeline_parallel=1, seed=0, rank=0, world_size=1,
-                                         local_rank=0, master_addr="127.0.0.1", master_port=free_port(),
-                                         backend="gloo")
+                                         local_rank=0, backend="gloo")
     try:
         policy = load_policy(run_dir)
         outcome["reused"] = {name: tensor.clone() for name, tensor in policy.hf_model.state_dict().items()}

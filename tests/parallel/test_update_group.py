@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.parallel.rendezvous import free_port
+from pipeline.parallel.rendezvous import reserved_port
 
 REPO = Path(__file__).resolve().parents[2]
 MEMBER = """
@@ -24,14 +24,15 @@ print(tensor.tolist())
 
 
 def test_rank_0_of_a_torchrun_job_hosts_the_update_group_store() -> None:
-    port = free_port()
-    # What torchrun puts in every rank's environment: c10d's rendezvous would then make rank 0 a store client.
-    torchrun_env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
-                    "PYTHONPATH": str(REPO)}
-    trainer = subprocess.Popen([sys.executable, "-c", MEMBER, "0", str(port)], env=torchrun_env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    server = subprocess.Popen([sys.executable, "-c", MEMBER, "1", str(port)], env={**os.environ, "PYTHONPATH": str(REPO)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    outputs = [process.communicate(timeout=60) for process in (trainer, server)]
-    assert [process.returncode for process in (trainer, server)] == [0, 0], outputs
-    assert [out.strip() for out, _ in outputs] == ["[0.0, 1.0, 2.0, 3.0]"] * 2
+    with reserved_port() as port:
+        # What torchrun puts in every rank's environment: c10d's rendezvous would then make rank 0 a store client.
+        torchrun_env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+                        "PYTHONPATH": str(REPO)}
+        trainer = subprocess.Popen([sys.executable, "-c", MEMBER, "0", str(port)], env=torchrun_env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        server = subprocess.Popen([sys.executable, "-c", MEMBER, "1", str(port)],
+                                  env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        outputs = [process.communicate(timeout=60) for process in (trainer, server)]
+        assert [process.returncode for process in (trainer, server)] == [0, 0], outputs
+        assert [out.strip() for out, _ in outputs] == ["[0.0, 1.0, 2.0, 3.0]"] * 2

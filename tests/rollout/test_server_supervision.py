@@ -12,10 +12,10 @@ goes on; below ``min_servers`` the run fails with one error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -26,6 +26,7 @@ import pytest
 
 from pipeline.config import RolloutConfig
 from pipeline.configlib import ConfigError
+from pipeline.parallel.rendezvous import reserved_port
 from pipeline.rollout.sglang import protocol as api
 from pipeline.rollout.sglang.client import SGLangClientConfig, run_sync
 from pipeline.rollout.sglang.generation import SGLangEngine
@@ -36,18 +37,6 @@ from tests.rollout.fake_sglang import REPO_ROOT, expected_sample, start_fake_ser
 
 SEED = 77
 PARAMS = SamplingParams(max_new_tokens=5, temperature=1.0, seed=SEED, stop_token_ids=(3, 500))
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports (bound together, unlike ``count`` calls of ``free_port``)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _engine_config(**overrides: Any) -> SGLangClientConfig:
@@ -67,7 +56,9 @@ class Fleet:
 
     def __init__(self, tmp_path: Path, flags: list[list[str]], *, max_restarts: int, probe_timeout_s: float = 2.0,
                  max_failed_probes: int = 3) -> None:
-        ports = _free_ports(len(flags))
+        # Held while the fleet runs: a killed server restarts on its port, which nothing may take meanwhile.
+        self._ports = contextlib.ExitStack()
+        ports = [self._ports.enter_context(reserved_port()) for _ in flags]
         self.urls = [f"http://127.0.0.1:{port}" for port in ports]
         self.logs = [tmp_path / f"server{i}.jsonl" for i in range(len(flags))]
         commands = [
@@ -93,6 +84,7 @@ class Fleet:
         self._stop.set()
         self._thread.join(timeout=30)
         self.supervisor.close()
+        self._ports.close()
 
     def records(self, index: int) -> list[dict[str, Any]]:
         import json

@@ -255,7 +255,7 @@ def test_launch_reports_a_server_that_exits(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(20)
 def test_attach_gives_up_at_the_deadline() -> None:
-    from pipeline.parallel.launch import free_port
+    from pipeline.parallel.rendezvous import free_port
 
     port = free_port()  # nothing listens on it
     config = SGLangClientConfig(startup_timeout_s=1.0, health_poll_s=0.1, probe_timeout_s=0.5, show_progress=False)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.parallel.rendezvous import free_port
+from pipeline.parallel.rendezvous import reserved_port
 from pipeline.parallel.weight_transfer import UpdateGroup
 from pipeline.rollout.sglang import protocol as api
 from pipeline.rollout.types import SamplingParams
@@ -59,25 +59,25 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     log = tmp_path_factory.mktemp("standin-log") / "requests.jsonl"
-    port = free_port()
-    command = [sys.executable, "-m", "pipeline.cli.standin", "--model-path", str(models[0]), "--host", "127.0.0.1",
-               "--port", str(port), "--tp-size", "1", "--base-gpu-id", "0", "--mem-fraction-static", "0.85",
-               "--request-log", str(log)]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if _get(url, "/health")[0] == 200:
-                break
-        except OSError:
-            pass
-        assert process.poll() is None, process.stdout.read()
-        assert time.monotonic() < deadline, "the stand-in did not start"
-        time.sleep(0.2)
-    yield url, log
-    process.kill()
-    process.wait(timeout=10)
+    with reserved_port() as port:
+        command = [sys.executable, "-m", "pipeline.cli.standin", "--model-path", str(models[0]), "--host",
+                   "127.0.0.1", "--port", str(port), "--tp-size", "1", "--base-gpu-id", "0",
+                   "--mem-fraction-static", "0.85", "--request-log", str(log)]
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if _get(url, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "the stand-in did not start"
+            time.sleep(0.2)
+        yield url, log
+        process.kill()
+        process.wait(timeout=10)
 
 
 def _generate(url: str, seeds: list[int], *, max_new_tokens: int = 6) -> list[api.SampleOutput]:
@@ -139,8 +139,7 @@ def test_the_update_group_pushes_weights_inside_a_session_only(server, models) -
     status, payload = _post(url, api.UPDATE_FROM_DISTRIBUTED_PATH, api.update_weights_from_distributed_body(
         names[:1], dtypes=["float32"], shapes=[list(weights[names[0]].shape)], version=5, group_name="g"))
     assert status == 400 and "must run between begin_weight_update" in payload["message"]  # the scheduler's refusal
-    port = free_port()
-    with ThreadPoolExecutor(max_workers=1) as pool:  # the server answers once both ranks joined
+    with reserved_port() as port, ThreadPoolExecutor(max_workers=1) as pool:  # answered once both ranks joined
         joined = pool.submit(_post, url, api.INIT_UPDATE_GROUP_PATH, api.init_weights_update_group_body(
             master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name="g", backend="gloo"))
         group = UpdateGroup.join(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, name="g",

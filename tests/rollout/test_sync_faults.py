@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 
 from pipeline.config import RolloutConfig
 from pipeline.configlib import ConfigError
+from pipeline.parallel.rendezvous import reserved_port
 from pipeline.rollout.sglang import protocol as api
 from pipeline.rollout.sglang.client import SGLangClientConfig
 from pipeline.rollout.sglang.generation import SGLangEngine
@@ -312,10 +313,11 @@ def test_tp_size_is_read_where_sglang_reports_it() -> None:
 # ------------------------------------------------------------ the supervisor: its window, a slow load
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@pytest.fixture
+def server_port() -> Iterator[int]:
+    """A port for the supervised server, held from everyone else while it runs and restarts."""
+    with reserved_port() as port:
+        yield port
 
 
 # Answers its first health probe, then 503 at once to every later one: a scheduler that stopped answering,
@@ -337,8 +339,8 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 
 
 @pytest.mark.timeout(60)
-def test_the_hang_window_is_probe_timeouts_on_the_clock_however_fast_each_probe_fails() -> None:
-    port = _free_port()
+def test_the_hang_window_is_probe_timeouts_on_the_clock_however_fast_each_probe_fails(server_port: int) -> None:
+    port = server_port
     url = f"http://127.0.0.1:{port}"
     supervisor = Supervisor([ServerCommand(command=(sys.executable, "-c", _FAILS_FAST, str(port)), url=url)],
                             max_restarts=1, probe_timeout_s=0.5, probe_interval_s=0.02, max_failed_probes=4,
@@ -360,8 +362,9 @@ def test_the_hang_window_is_probe_timeouts_on_the_clock_however_fast_each_probe_
 
 
 @pytest.mark.timeout(90)
-def test_a_server_loading_weights_for_the_trainer_is_not_killed_for_failing_its_probes(tmp_path: Path) -> None:
-    port = _free_port()
+def test_a_server_loading_weights_for_the_trainer_is_not_killed_for_failing_its_probes(tmp_path: Path,
+                                                                                        server_port: int) -> None:
+    port = server_port
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.jsonl"
     leases = load_leases_dir(tmp_path / "weights")

@@ -57,7 +57,8 @@ from typing import Any
 
 import torch
 
-from pipeline.parallel.launch import free_port, run_ranks
+from pipeline.parallel.launch import run_ranks
+from pipeline.parallel.rendezvous import reserved_port
 
 from tools.bench.report import Panel, save
 
@@ -172,10 +173,11 @@ def run_layout(job_fields: dict[str, Any], *, layout: Layout, threads: int, time
     """Spawn ``layout``'s ranks, wait for them, and return each rank's result (rank order)."""
     if threads % layout.num_ranks:
         raise ValueError(f"threads: {threads} do not split evenly over {layout.name}'s {layout.num_ranks} ranks")
-    job = Job(layout=layout, threads_per_rank=threads // layout.num_ranks, port=free_port(), **job_fields)
-    with run_ranks(_rank_main, args=(job,), num_ranks=layout.num_ranks, timeout_s=timeout_s,
-                   description=layout.name) as result_dir:
-        return [json.loads((result_dir / f"rank{rank}.json").read_text()) for rank in range(layout.num_ranks)]
+    with reserved_port() as port:
+        job = Job(layout=layout, threads_per_rank=threads // layout.num_ranks, port=port, **job_fields)
+        with run_ranks(_rank_main, args=(job,), num_ranks=layout.num_ranks, timeout_s=timeout_s,
+                       description=layout.name) as result_dir:
+            return [json.loads((result_dir / f"rank{rank}.json").read_text()) for rank in range(layout.num_ranks)]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -50,7 +50,8 @@ from pipeline.launch.plan import (
 )
 from pipeline.models.families import model_family
 from pipeline.models.spec import ModelSpec
-from pipeline.parallel.launch import free_port, run_ranks
+from pipeline.parallel.launch import run_ranks
+from pipeline.parallel.rendezvous import reserved_port
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "head_buffer")
 TOLERANCE = 0.20
@@ -238,8 +239,8 @@ def measure_head(case: Case) -> int:
 
 
 def run_case(case: Case, *, timeout_s: float) -> dict[str, Any]:
-    with run_ranks(_rank_main, args=(case, free_port()), num_ranks=case.num_ranks, timeout_s=timeout_s,
-                   description=case.name) as result_dir:
+    with reserved_port() as port, run_ranks(_rank_main, args=(case, port), num_ranks=case.num_ranks,
+                                            timeout_s=timeout_s, description=case.name) as result_dir:
         ranks = [json.loads((result_dir / f"rank{rank}.json").read_text()) for rank in range(case.num_ranks)]
     inputs = plan_inputs(case)
     stages = memory_plan(inputs)

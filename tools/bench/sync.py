@@ -47,7 +47,8 @@ import torch
 
 from pipeline.checkpoint.hf_map import expected_hf_shapes
 from pipeline.models.spec import ModelSpec
-from pipeline.parallel.launch import free_port, run_ranks
+from pipeline.parallel.launch import run_ranks
+from pipeline.parallel.rendezvous import reserved_port
 from tools.bench.report import Panel, save
 
 LAYOUTS = {"TP=1": (1, 1), "TP=2": (2, 1), "PP=2": (1, 2)}
@@ -173,10 +174,11 @@ def _run_rank(*, rank: int, job: Job) -> dict[str, Any]:
 
 def _run(job_fields: dict[str, Any], *, layout: str, path: str, threads: int, timeout_s: float) -> list[dict]:
     tp, pp = LAYOUTS[layout]
-    job = Job(layout=layout, path=path, threads_per_rank=max(threads // (tp * pp), 1), port=free_port(), **job_fields)
-    with run_ranks(_rank_main, args=(job,), num_ranks=tp * pp, timeout_s=timeout_s,
-                   description=f"{layout} {path}") as result_dir:
-        return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(tp * pp)]
+    with reserved_port() as port:
+        job = Job(layout=layout, path=path, threads_per_rank=max(threads // (tp * pp), 1), port=port, **job_fields)
+        with run_ranks(_rank_main, args=(job,), num_ranks=tp * pp, timeout_s=timeout_s,
+                       description=f"{layout} {path}") as result_dir:
+            return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(tp * pp)]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

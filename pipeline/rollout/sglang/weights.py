@@ -63,7 +63,7 @@ import httpx
 import torch
 
 from pipeline.config import MAX_UPDATE_GROUP_REFORMS, UPDATE_GROUP_TIMEOUT_MARGIN_S
-from pipeline.parallel.rendezvous import free_port
+from pipeline.parallel.rendezvous import reserved_port
 from pipeline.parallel.weight_transfer import UpdateGroup
 from pipeline.rollout.sglang import protocol
 from pipeline.rollout.sglang.client import Rejected, ServerFault, answer_failure, call, run_sync
@@ -393,27 +393,28 @@ class SGLangWeights:
         name = f"winnow-weights-{self._name_prefix}-{self._groups_formed}"
         self._groups_formed += 1
         # The servers answer /init_weights_update_group only once every member joined, this rank too.
-        port = free_port()
-        join = _Join(settings, port=port, world_size=world_size, name=name, timeout_s=self.collective_timeout_s)
+        # The port stays reserved until then: this rank's store binds it from the join's thread.
+        with reserved_port() as port:
+            join = _Join(settings, port=port, world_size=world_size, name=name, timeout_s=self.collective_timeout_s)
 
-        def body_for(index: int, server: Server) -> dict[str, Any]:
-            return protocol.init_weights_update_group_body(
-                master_address=settings.master_address, master_port=port,
-                rank_offset=1 + index * settings.ranks_per_server, world_size=world_size, group_name=name,
-                backend=settings.backend,
-            )
+            def body_for(index: int, server: Server) -> dict[str, Any]:
+                return protocol.init_weights_update_group_body(
+                    master_address=settings.master_address, master_port=port,
+                    rank_offset=1 + index * settings.ranks_per_server, world_size=world_size, group_name=name,
+                    backend=settings.backend,
+                )
 
-        # Never retried: a join that timed out may still complete on the server, which then refuses a second
-        # one of the same name; a new group (another name) is the retry.
-        _, failed = run_sync(self._admin_checked(protocol.INIT_UPDATE_GROUP_PATH, body_for, servers=members,
-                                                 attempts=1))
-        if failed:
-            join.abandon()
-            for server, why in failed:
-                self._drop_from_session(server, f"{protocol.INIT_UPDATE_GROUP_PATH} failed: {why}")
-            raise _GroupFailed(f"{protocol.INIT_UPDATE_GROUP_PATH} failed: "
-                               f"{'; '.join(f'{s.url}: {why}' for s, why in failed)}")
-        self._group = join.result()
+            # Never retried: a join that timed out may still complete on the server, which then refuses a second
+            # one of the same name; a new group (another name) is the retry.
+            _, failed = run_sync(self._admin_checked(protocol.INIT_UPDATE_GROUP_PATH, body_for, servers=members,
+                                                     attempts=1))
+            if failed:
+                join.abandon()
+                for server, why in failed:
+                    self._drop_from_session(server, f"{protocol.INIT_UPDATE_GROUP_PATH} failed: {why}")
+                raise _GroupFailed(f"{protocol.INIT_UPDATE_GROUP_PATH} failed: "
+                                   f"{'; '.join(f'{s.url}: {why}' for s, why in failed)}")
+            self._group = join.result()
         self._broadcast = None
         self._members = key
 
