@@ -7,18 +7,18 @@ seed 0, and each final policy is scored on 400 held-out ``arith`` difficulty-3
 problems × 8 samples at T = 1 (sampled pass@1, the evaluation seed shared with the base
 score, so the comparison is paired). Each must beat the base by ``MARGIN``.
 
-Measured with the 1,500-step bootstrap recipe (base 0.482; the 2,500-step recipe that replaced
-it scores 0.630 and these gains have not been re-measured on it) on 2 cores, torch 2.13 CPU,
-deterministic there, seed 0 (seeds 1, 2 from the race in docs/benchmarks.md): base 0.482; GRPO 0.514 (0.507, 0.521), D³S 0.507 (0.501,
-0.507), CW-GRPO 0.499 (0.493, 0.499), Ada-Seq-BALANCE 0.516 at its own G = 4 (0.503 when
-the race still forced G = 8), E3 0.519 (0.490, 0.517). At seed 0 the smallest gain is +1.7
-points; on seed 1 E3 gains only +0.8, which is why the test fixes the seed. The held-out
-estimate's standard error on a paired difference is about 0.5 point. ``MARGIN`` = 1 point.
+Measured on the default bootstrap (2026-11-28, `20db1f8`, 2 cores, torch 2.13 CPU, seed 0;
+`make test-campaign`, 850 s beside three benchmarks at niceness 10): base 0.582; GRPO 0.602
+(+2.0 points), D³S 0.605 (+2.3), CW-GRPO 0.593 (+1.1), Ada-Seq-BALANCE 0.603 (+2.1), E3 0.601
+(+1.9). CW-GRPO's gain is the smallest, 0.1 point above ``MARGIN``. With the 1,500-step bootstrap
+before it (base 0.482) the gains were +1.7 to +3.7 points at seed 0, and E3 gained only +0.8 on
+seed 1, which is why the test fixes the seed. The held-out estimate's standard error on a paired
+difference is about 0.5 point. ``MARGIN`` = 1 point.
 
-The run reproduces those numbers exactly (CPU runs are deterministic; the race's
-checkpoint-and-resume chunks do not change them). Runtime on 2 idle cores: 6 min 50 s with
-the bootstrap cached, plus 2.6 min to train it when the cache is cold. Too long for the CI
-budget: run it with ``make test-campaign``.
+The run is deterministic on a given machine and torch build (CPU); the race's
+checkpoint-and-resume chunks do not change it. Too long for the CI budget (6 min 50 s alone on 2
+idle cores with the bootstrap cached, measured on the earlier base; plus ~2.6 min to train the
+bootstrap when the cache is cold): run it with ``make test-campaign``.
 """
 
 from __future__ import annotations
