@@ -122,3 +122,40 @@ def test_metric_rows_drop_timing_and_keep_the_last_row_of_each_step(tmp_path: Pa
             {"step": 2, "grad_norm": 0.5, "time/update": 9.0}, {"step": 0, "eval/pass@1": 0.1}]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert metric_rows(path) == [{"step": 1, "grad_norm": 1.0}, {"step": 2, "grad_norm": 0.5}]
+
+
+def _rl_stage_logging_to(tmp_path: Path, rows: list[dict]):
+    from pipeline.launch.rehearse import check_stage
+
+    plan = rebased(qwen25_math_7b(output_dir=tmp_path / "cluster"), tmp_path / "campaign")
+    stage = plan.stage("rl-grpo")
+    metrics = Path(stage.config.logging.output_dir) / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in [{"step": 0}, *rows]))
+    return lambda: check_stage(stage, plan)
+
+
+def _step(step: int, *, grad_norm: float, uniform: float, reward_mean: float = 0.25) -> dict:
+    return {"step": step, "grad_norm": grad_norm, "zero_signal_group_fraction": uniform, "reward_mean": reward_mean,
+            "budget/samples_per_prompt_mean": 4.0}
+
+
+def test_an_rl_stage_needs_a_gradient_wherever_a_group_had_signal(tmp_path: Path) -> None:
+    check = _rl_stage_logging_to(tmp_path, [_step(1, grad_norm=2.0, uniform=0.5), _step(2, grad_norm=1.0, uniform=0.0)])
+    assert check() == []
+    # Every group of step 1 got equal rewards: its zero gradient is the math, and the report says so.
+    check = _rl_stage_logging_to(tmp_path, [_step(1, grad_norm=0.0, uniform=1.0, reward_mean=0.0),
+                                            _step(2, grad_norm=1.5, uniform=0.5)])
+    assert check() == ["rl-grpo: every group of step 1 got equal rewards (reward_mean 0.0), so its gradient is "
+                       "zero; step 2 is the first with signal, and its gradient is not"]
+    # A group had signal and the gradient is still zero: a break (a masked loss, dropped advantages).
+    check = _rl_stage_logging_to(tmp_path, [_step(1, grad_norm=0.0, uniform=0.75)])
+    with pytest.raises(AssertionError, match="step 1 has a zero gradient although 25% of its groups"):
+        check()
+    check = _rl_stage_logging_to(tmp_path, [_step(1, grad_norm=0.0, uniform=1.0), _step(2, grad_norm=0.0, uniform=1.0)])
+    with pytest.raises(AssertionError, match="no step had a group with unequal rewards in 2 steps"):
+        check()
+    empty = _step(1, grad_norm=1.0, uniform=0.0)
+    empty["budget/samples_per_prompt_mean"] = 0.0
+    with pytest.raises(AssertionError, match="step 1 trained on an empty stream"):
+        _rl_stage_logging_to(tmp_path, [empty])()
