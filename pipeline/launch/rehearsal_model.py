@@ -138,7 +138,7 @@ def build_rehearsal_model(model_dir: str, out: Path, *, tensor_parallel: int, se
 
 
 def fit_answers(folder: Path, *, problems: list[tuple[str, str]], template: str, steps: int = 80,
-                lr: float = 1e-2, seed: int = 0) -> dict[str, float]:
+                lr: float = 1e-2) -> dict[str, float]:
     """Fit the model at ``folder`` to answer ``(problem, gold)`` pairs as ``\\boxed{gold}`` + EOS; saved in place.
 
     Problem ``i`` of ``P`` is in ``ceil(steps · (i + 1) / P)`` of the ``steps`` batches, so the
@@ -151,6 +151,12 @@ def fit_answers(folder: Path, *, problems: list[tuple[str, str]], template: str,
     then the full-vocabulary cross-entropy, at the cost of the head over the tokenizer's ids
     instead of every row: the fit took 29 CPU-seconds over all 151,936 rows of the 1.5B
     rehearsal model. Returns the first and last loss.
+
+    The fit is bitwise reproducible: it runs with torch's deterministic kernels. The backward of
+    the row gather below (``index_put_`` with accumulation) otherwise adds with atomics across
+    CPU threads, two fits of the same model then differ in their last bits, and what the model
+    samples, so what a rehearsal's curation keeps, changed from run to run (3, 6 and 8 of 16
+    prompts in three rehearsals of the same code).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -188,35 +194,40 @@ def fit_answers(folder: Path, *, problems: list[tuple[str, str]], template: str,
     model.train()
     losses = []
     count = len(examples)
-    for step in range(steps):
-        # Problem i joins the batches from step steps·(1 − (i+1)/P) on: the later, the fewer.
-        batch = [examples[i] for i in range(count) if step >= steps * (1 - (i + 1) / count)]
-        if not batch:
-            continue
-        width = max(len(prompt) + len(answer) for prompt, answer in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)  # (B, T), right-padded
-        mask = torch.zeros(len(batch), width, dtype=torch.long)  # (B, T)
-        rows, positions, targets = [], [], []
-        for row, (prompt, answer) in enumerate(batch):
-            sequence = prompt + answer
-            ids[row, : len(sequence)] = torch.tensor(sequence)
-            mask[row, : len(sequence)] = 1
-            rows += [row] * len(answer)
-            positions += range(len(prompt) - 1, len(sequence) - 1)  # each predicts the next, an answer token
-            targets += answer
-        optimizer.zero_grad()
-        embedded = input_rows[position_of[ids].clamp(min=0)]  # (B, T, H); padding reads row 0, masked out
-        hidden = model.model(inputs_embeds=embedded, attention_mask=mask).last_hidden_state  # (B, T, H)
-        answer_hidden = hidden[torch.tensor(rows), torch.tensor(positions)]  # (A, H): answer tokens only
-        logits = answer_hidden @ head_rows.T  # (A, U)
-        if head_bias is not None:
-            logits = logits + head_bias
-        if others_logit is not None:
-            logits = torch.cat([logits, others_logit.expand(len(rows), 1)], dim=1)  # (A, U + 1)
-        loss = torch.nn.functional.cross_entropy(logits, position_of[torch.tensor(targets)])
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+    deterministic_before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for step in range(steps):
+            # Problem i joins the batches from step steps·(1 − (i+1)/P) on: the later, the fewer.
+            batch = [examples[i] for i in range(count) if step >= steps * (1 - (i + 1) / count)]
+            if not batch:
+                continue
+            width = max(len(prompt) + len(answer) for prompt, answer in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)  # (B, T), right-padded
+            mask = torch.zeros(len(batch), width, dtype=torch.long)  # (B, T)
+            rows, positions, targets = [], [], []
+            for row, (prompt, answer) in enumerate(batch):
+                sequence = prompt + answer
+                ids[row, : len(sequence)] = torch.tensor(sequence)
+                mask[row, : len(sequence)] = 1
+                rows += [row] * len(answer)
+                positions += range(len(prompt) - 1, len(sequence) - 1)  # each predicts the next, an answer token
+                targets += answer
+            optimizer.zero_grad()
+            embedded = input_rows[position_of[ids].clamp(min=0)]  # (B, T, H); padding reads row 0, masked out
+            hidden = model.model(inputs_embeds=embedded, attention_mask=mask).last_hidden_state  # (B, T, H)
+            answer_hidden = hidden[torch.tensor(rows), torch.tensor(positions)]  # (A, H): answer tokens only
+            logits = answer_hidden @ head_rows.T  # (A, U)
+            if head_bias is not None:
+                logits = logits + head_bias
+            if others_logit is not None:
+                logits = torch.cat([logits, others_logit.expand(len(rows), 1)], dim=1)  # (A, U + 1)
+            loss = torch.nn.functional.cross_entropy(logits, position_of[torch.tensor(targets)])
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+    finally:
+        torch.use_deterministic_algorithms(deterministic_before)
     with torch.no_grad():  # the other ids' head rows zero, so their logits are the 0 the loss assumed
         output.weight.zero_()
         output.weight[known] = head_rows

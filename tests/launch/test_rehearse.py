@@ -159,3 +159,29 @@ def test_an_rl_stage_needs_a_gradient_wherever_a_group_had_signal(tmp_path: Path
     empty["budget/samples_per_prompt_mean"] = 0.0
     with pytest.raises(AssertionError, match="step 1 trained on an empty stream"):
         _rl_stage_logging_to(tmp_path, [empty])()
+
+
+def test_the_rehearsal_model_fit_is_bitwise_reproducible_on_several_threads(tmp_path: Path) -> None:
+    import hashlib
+
+    import torch
+
+    from pipeline.launch.rehearsal_model import fit_answers
+    from pipeline.launch.rehearse import prompt_sources
+
+    _, _, template = prompt_sources(qwen25_math_7b(output_dir=tmp_path / "cluster"))
+    # Long enough prompts (about 300 tokens) that the backward's accumulation runs on several threads.
+    padding = " ".join(f"Note {i}: the numbers below are integers." for i in range(30))
+    problems = [(f"{padding} What is {a} + {b}?", str(a + b)) for a, b in [(2, 3), (11, 4), (7, 9), (20, 22)]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite's workers run one thread, where accumulation order cannot vary
+    try:
+        digests = []
+        for copy in range(2):
+            model = build_rehearsal_model("/models/Qwen2.5-Math-7B", tmp_path / f"m{copy}", tensor_parallel=4)
+            fit_answers(model.folder, problems=problems, template=template, steps=12)
+            digests.append(hashlib.sha256((model.folder / "model.safetensors").read_bytes()).hexdigest())
+    finally:
+        torch.set_num_threads(threads)
+    assert digests[0] == digests[1]
+    assert not torch.are_deterministic_algorithms_enabled()  # the fit restores the process's setting
