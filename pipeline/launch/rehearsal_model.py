@@ -152,11 +152,12 @@ def fit_answers(folder: Path, *, problems: list[tuple[str, str]], template: str,
     instead of every row: the fit took 29 CPU-seconds over all 151,936 rows of the 1.5B
     rehearsal model. Returns the first and last loss.
 
-    The fit is bitwise reproducible: it runs with torch's deterministic kernels. The backward of
-    the row gather below (``index_put_`` with accumulation) otherwise adds with atomics across
-    CPU threads, two fits of the same model then differ in their last bits, and what the model
-    samples, so what a rehearsal's curation keeps, changed from run to run (3, 6 and 8 of 16
-    prompts in three rehearsals of the same code).
+    The fit is bitwise reproducible: it runs on one thread with torch's deterministic kernels.
+    On several threads the backward of the row gather below (``index_put_`` with accumulation)
+    adds with atomics, and a busy machine gives the matrix products fewer threads than an idle
+    one (a different summation order): two fits of the same model then differed in their last
+    bits, and so did what the model samples and what a rehearsal's curation keeps (3, 6 and 8 of
+    16 prompts in three rehearsals of the same code). One thread costs little: the fit is small.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -194,8 +195,9 @@ def fit_answers(folder: Path, *, problems: list[tuple[str, str]], template: str,
     model.train()
     losses = []
     count = len(examples)
-    deterministic_before = torch.are_deterministic_algorithms_enabled()
+    deterministic_before, threads_before = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
     try:
         for step in range(steps):
             # Problem i joins the batches from step steps·(1 − (i+1)/P) on: the later, the fewer.
@@ -228,6 +230,7 @@ def fit_answers(folder: Path, *, problems: list[tuple[str, str]], template: str,
             losses.append(float(loss.detach()))
     finally:
         torch.use_deterministic_algorithms(deterministic_before)
+        torch.set_num_threads(threads_before)
     with torch.no_grad():  # the other ids' head rows zero, so their logits are the 0 the loss assumed
         output.weight.zero_()
         output.weight[known] = head_rows
