@@ -351,8 +351,8 @@ def check_stage(stage: Stage, plan: CampaignPlan) -> list[str]:
         # A step whose groups all got equal rewards has a zero gradient by the math (no advantage), however
         # well it is wired: the rehearsal model answers its prompts only sometimes (curation keeps those solved
         # 1-3 times in 8; at 1 in 8 a group of 4 is all wrong 59% of the time), so a step of 4 groups of 4 is
-        # now and then uniform by chance. The break to catch is a gradient that is zero
-        # although a group had signal (a masked loss, dropped advantages), or a run with no signal at all.
+        # now and then uniform by chance. The break to catch is a gradient that is zero although a group
+        # had signal (a masked loss, dropped advantages), or a run with no signal at all.
         with_signal = [row for row in steps if row.get("zero_signal_group_fraction", 0.0) < 1.0]
         for row in with_signal:
             assert row["grad_norm"] > 0, (
